@@ -1,0 +1,43 @@
+# The README's two commands: `make run` (set up, then start the tray app) and
+# `make test` (set up, then run every check CI runs). Both are idempotent: the
+# virtual environment at .venv/ is rebuilt only when pyproject.toml changes.
+PY      ?= python3
+VENV    := .venv
+STAMP   := $(VENV)/.installed
+# Debian packages the GUI tests need: a real X server, a tray host, screenshots.
+APT_PKGS := xvfb trayer imagemagick x11-utils libxcb-cursor0 libxkbcommon-x11-0 \
+            libegl1 libgl1 libfontconfig1 libdbus-1-3
+
+.PHONY: run test setup system-deps lint bench
+.DEFAULT_GOAL := run
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	# pyproject pins torch==2.13.0: the CPU build lying on this machine's disk, no download.
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# Installs the Debian packages the GUI tests need when they are missing (root only;
+# elsewhere it says what is missing and the real-X test reports the gap by name).
+system-deps:
+	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "missing Debian packages (install them as root): $$missing"; fi; \
+	fi
+
+run: setup
+	$(VENV)/bin/moetray $(ARGS)
+
+lint: setup
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+
+test: setup system-deps lint
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/moetray bench all

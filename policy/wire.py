@@ -1,0 +1,225 @@
+"""The engine's HTTP contract, described once for its writer (engine/) and reader (app/, ui/).
+
+Decides which HTTP status and retry class every named refusal maps to, and fixes the
+route table, the auth header names and the JSON shape of the telemetry snapshot. The
+engine builds its routes and error bodies from this module; the tray's client builds its
+URLs and reads its fields from it. A second copy of any of these facts is a bug.
+
+Unknown numbers in a snapshot are ``None`` (JSON ``null``), never 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal, NotRequired, TypedDict
+
+ADMIN_TOKEN_ENV = "MOETRAY_ADMIN_TOKEN"
+"""Environment variable the tray uses to hand the engine its per-launch admin token."""
+ADMIN_TOKEN_FILE_ENV = "MOETRAY_ADMIN_TOKEN_FILE"
+"""Environment variable naming a 0600 file that holds the admin token (alternative hand-over)."""
+API_KEY_ENV = "MOETRAY_API_KEY"
+"""Environment variable holding the key `/v1/*` requires (mandatory for a non-loopback bind)."""
+EVENTS_INTERVAL_S = 1.0
+"""Cadence of `GET /admin/events`: one snapshot per interval."""
+SNAPSHOT_EVENT = "status"
+"""SSE event name carrying one status snapshot as JSON."""
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    auth: Literal["none", "api_key", "admin"]
+
+
+ROUTES: dict[str, Route] = {
+    "health": Route("GET", "/health", "none"),
+    "models": Route("GET", "/v1/models", "api_key"),
+    "chat_completions": Route("POST", "/v1/chat/completions", "api_key"),
+    "completions": Route("POST", "/v1/completions", "api_key"),
+    "status": Route("GET", "/admin/status", "admin"),
+    "events": Route("GET", "/admin/events", "admin"),
+    "rebuild": Route("POST", "/admin/cache/rebuild", "admin"),
+    "requests": Route("GET", "/admin/requests", "admin"),
+    "cancel": Route("POST", "/admin/requests/{request_id}/cancel", "admin"),
+    "prepare_stop": Route("POST", "/admin/prepare-stop", "admin"),
+}
+
+
+def route_path(name: str, **params: str) -> str:
+    """The concrete path of route ``name`` with its placeholders filled."""
+    return ROUTES[name].path.format(**params)
+
+
+class Retry(StrEnum):
+    """Which kind of no a refusal is: the client's next move."""
+
+    NOW = "now"  # transient: the same call will succeed shortly (Retry-After is set)
+    LATER = "later"  # wait for a state change (loading to finish, a restart)
+    NEVER = "never"  # the request itself is wrong or the engine cannot recover
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    retry: Retry
+    summary: str  # one sentence the UI can show as-is
+
+
+REFUSALS: dict[str, Refusal] = {
+    # Admission (`AdmissionClosed.kind` is the gate state's value).
+    "loading": Refusal(503, Retry.LATER, "The model is still loading."),
+    "rebuilding": Refusal(503, Retry.NOW, "The memory pools are being re-split; retry in a moment."),
+    "stopping": Refusal(503, Retry.NEVER, "The engine is stopping."),
+    "failed": Refusal(503, Retry.NEVER, "The engine failed and must be restarted."),
+    # Rebuild gate (`RebuildRefused.kind`) and arithmetic (`RebuildRejected.kind`).
+    "not_ready": Refusal(503, Retry.LATER, "The engine is not serving yet."),
+    "latched": Refusal(503, Retry.NEVER, "The engine is latched failed; restart it."),
+    "busy": Refusal(409, Retry.NOW, "Another change is in progress or requests are running."),
+    "below_floor": Refusal(400, Retry.NEVER, "That pool size is below its minimum."),
+    "no_such_pool": Refusal(400, Retry.NEVER, "This model has no such pool."),
+    "too_large": Refusal(400, Retry.NEVER, "Those pool sizes do not fit in the memory budget."),
+    "idle_timeout": Refusal(503, Retry.NOW, "Requests did not finish in time; nothing was changed."),
+    # Rebuild outcomes that are not success.
+    "rolled_back": Refusal(409, Retry.NOW, "The re-split failed and the old sizes were restored."),
+    "rebuild_latched": Refusal(500, Retry.NEVER, "The re-split and its rollback failed; restart the engine."),
+    # Stop (`StopRefused.kind`, `StopFailure.kind`).
+    "rebuild_in_progress": Refusal(503, Retry.NOW, "A re-split is running; stop again when it ends."),
+    "abort_barrier_timed_out": Refusal(503, Retry.NOW, "Requests are still finishing; stop again."),
+    "unidentified_inflight": Refusal(503, Retry.NOW, "Unidentified work is in flight; stop again."),
+    "not_persisted": Refusal(500, Retry.NOW, "The stop receipt could not be written; stop again."),
+    "not_signalled": Refusal(500, Retry.NEVER, "The stop receipt is durable but the reply failed."),
+    # Request validation and access.
+    "invalid_request_error": Refusal(400, Retry.NEVER, "The request is malformed."),
+    "context_length_exceeded": Refusal(400, Retry.NEVER, "The prompt is longer than the context."),
+    "not_found": Refusal(404, Retry.NEVER, "No such object."),
+    "unauthorized": Refusal(401, Retry.NEVER, "Missing or wrong credentials."),
+    "forbidden_host": Refusal(403, Retry.NEVER, "Unknown Host header (DNS rebinding guard)."),
+}
+
+RETRY_AFTER_S = 1
+"""`Retry-After` seconds sent with every `Retry.NOW` refusal."""
+
+
+def refusal_for(kind: str) -> Refusal:
+    """The status and retry class for a refusal kind; an unknown kind is a 500 that never retries.
+
+    Mutates nothing. An unmapped kind is a programming error surfaced as an internal
+    error rather than a guess at a friendlier status.
+    """
+    return REFUSALS.get(kind, Refusal(500, Retry.NEVER, "Internal error."))
+
+
+def error_body(kind: str, message: str, **extra: object) -> dict[str, object]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "code", ...}}`` with our retry class."""
+    refusal = refusal_for(kind)
+    error: dict[str, object] = {
+        "message": message,
+        "type": kind,
+        "code": refusal.status,
+        "retry": refusal.retry.value,
+    }
+    error.update(extra)
+    return {"error": error}
+
+
+# --- telemetry snapshot (`GET /admin/status`, each `/admin/events` event) -------------
+
+GateStateName = Literal["loading", "serving", "rebuilding", "stopping", "failed"]
+RebuildOutcomeName = Literal["applied", "rejected_intact", "rolled_back", "latched"]
+
+
+class LoadProgress(TypedDict):
+    stage: str  # e.g. "reading config", "loading weights", "building expert store"
+    done: int
+    total: int | None
+
+
+class ModelInfo(TypedDict):
+    id: str
+    path: str
+    architecture: str  # transformers class name, e.g. "Qwen2MoeForCausalLM"
+    label: str  # what the UI shows, e.g. "converted dense model (MoEfied), not a trained MoE"
+    num_layers: int
+    num_experts: int
+    top_k: int
+    dtype: str
+    context_length: int | None
+
+
+class DeviceMemory(TypedDict):
+    kind: Literal["cuda", "cpu"]
+    name: str
+    label: str  # "CPU device tier: host RAM budget" on a machine without a GPU
+    total_bytes: int | None
+    engine_bytes: int | None
+    others_bytes: int | None
+    budget_bytes: int | None
+
+
+class PoolInfo(TypedDict):
+    moe_slots: int
+    kv_pages: int
+    page_size: int  # tokens per KV page
+    kv_tokens: int
+    bytes_per_slot: int
+    bytes_per_page: int
+    budget_bytes: int
+    fixed_bytes: int
+    floors: dict[str, int]  # {"moe_slots", "kv_pages"}
+    limits: dict[str, dict[str, int]]  # {"moe_slots": {"min", "max"}, "kv_pages": {...}}
+    kv_pages_used: int | None  # excludes evictable prefix pages
+    kv_pages_evictable: int | None
+
+
+class ExpertStats(TypedDict):
+    residency: list[list[int | None]]  # [layer][expert] → slot, or None when not resident
+    recency: list[list[int | None]]  # [layer][expert] → steps since last use, None if never
+    window_hits: list[int]  # per layer, over the sliding window
+    window_misses: list[int]
+    window_bytes: list[int]
+    total_hits: int
+    total_misses: int
+    total_bytes: int
+    hit_rate: float | None  # over the window; None before any routing
+    bytes_per_token: float | None
+    backend: Literal["offload", "hybrid"]
+    fetch_fraction: float | None  # q*: share of misses fetched, None when offload-only
+
+
+class Throughput(TypedDict):
+    tok_s: float | None
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    queue: int
+    requests_served: int
+    prompt_tokens_total: int
+    completion_tokens_total: int
+
+
+class ActiveRequest(TypedDict):
+    id: str
+    state: Literal["queued", "prefill", "decode"]
+    tokens: int  # generated so far
+    prompt_tokens: int
+    age_s: float
+
+
+class Footprint(TypedDict):
+    bytes: int
+    kind: Literal["pss", "rss"]
+
+
+class StatusSnapshot(TypedDict):
+    state: GateStateName
+    load_progress: LoadProgress | None
+    uptime_s: float
+    model: ModelInfo | None
+    device: DeviceMemory | None
+    pools: PoolInfo | None
+    experts: ExpertStats | None
+    throughput: Throughput
+    requests: list[ActiveRequest]
+    footprint: Footprint | None  # the engine process; None where unmeasurable
+    last_rebuild: NotRequired[dict[str, object] | None]  # the last rebuild response body

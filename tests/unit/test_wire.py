@@ -1,0 +1,35 @@
+"""Rules of the HTTP contract shared by the engine (writer) and the tray (reader)."""
+
+from moetray.policy.wire import REFUSALS, ROUTES, Retry, error_body, refusal_for, route_path
+
+
+def test_route_placeholders_are_filled():
+    # A client that sent the template literally would hit a 404 on every cancel.
+    assert route_path("cancel", request_id="abc") == "/admin/requests/abc/cancel"
+
+
+def test_only_health_is_unauthenticated():
+    # Admin routes without the token would let any local page drive the engine.
+    open_routes = {name for name, route in ROUTES.items() if route.auth == "none"}
+    assert open_routes == {"health"}
+    assert all(r.auth == "admin" for r in ROUTES.values() if r.path.startswith("/admin/"))
+
+
+def test_unknown_kind_is_an_internal_error_that_never_retries():
+    # Guessing a friendly status for an unmapped refusal would hide the bug.
+    refusal = refusal_for("no-such-kind")
+    assert (refusal.status, refusal.retry) == (500, Retry.NEVER)
+
+
+def test_every_refusal_says_which_kind_of_no():
+    for kind, refusal in REFUSALS.items():
+        assert 400 <= refusal.status < 600, kind
+        assert refusal.summary.endswith("."), kind
+    # Transient refusals are 409/5xx, never a 4xx that a client would treat as its fault.
+    assert all(r.status in (409, 500, 503) for r in REFUSALS.values() if r.retry is Retry.NOW)
+
+
+def test_error_body_is_openai_shaped_with_retry_class():
+    body = error_body("rebuilding", "server unavailable: engine is rebuilding")
+    assert body == {"error": {"message": "server unavailable: engine is rebuilding",
+                              "type": "rebuilding", "code": 503, "retry": "now"}}
