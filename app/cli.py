@@ -8,7 +8,6 @@ forbid static imports from app/ into engine/; this table is the one sanctioned c
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
@@ -17,16 +16,14 @@ ENGINE_SUBCOMMANDS = {
     "model": "moetray.engine.demo.cli",
     "bench": "moetray.engine.bench.cli",
 }
-"""Subcommand → engine module exposing ``add_arguments(parser)`` and ``run(args) -> int``."""
+"""Subcommand → engine module exposing ``main(argv) -> int`` (argv without the subcommand)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ENGINE_SUBCOMMANDS:
         module = importlib.import_module(ENGINE_SUBCOMMANDS[argv[0]])
-        parser = argparse.ArgumentParser(prog=f"moetray {argv[0]}")
-        module.add_arguments(parser)
-        return int(module.run(parser.parse_args(argv[1:])) or 0)
+        return int(module.main(argv[1:]) or 0)
     from moetray.app.main import run_tray
 
     return run_tray(argv)

@@ -1,0 +1,35 @@
+"""`moetray bench NAME [ARGS]`: benchmarks, each a module imported only when chosen.
+
+Every benchmark module exposes ``main(argv) -> int`` and writes its JSON receipt through
+:mod:`moetray.engine.bench.results`; `moetray bench tables` regenerates the tables.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "bw": "moetray.engine.bench.bw",  # host↔device and CPU bandwidth profile
+    "trace": "moetray.engine.bench.trace",  # cache policies against Belady on routing traces
+    "engine": "moetray.engine.bench.offload",  # offloading engine vs resident vs accelerate
+    "serve": "moetray.engine.bench.serve",  # HTTP serving vs `transformers serve`
+    "demo": "moetray.engine.bench.demo_quality",  # demo model perplexity and chat answers
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: moetray bench {" + ",".join([*BENCHMARKS, "tables"]) + "} [ARGS]")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name == "tables":
+        from moetray.engine.bench.results import write_tables
+
+        print(write_tables())
+        return 0
+    if name not in BENCHMARKS:
+        print(f"moetray bench: unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}",
+              file=sys.stderr)
+        return 2
+    return int(importlib.import_module(BENCHMARKS[name]).main(rest) or 0)
