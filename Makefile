@@ -6,7 +6,7 @@ VENV    := .venv
 STAMP   := $(VENV)/.installed
 # Debian packages the GUI tests need: a real X server, a tray host, screenshots.
 APT_PKGS := xvfb trayer imagemagick x11-utils libxcb-cursor0 libxkbcommon-x11-0 \
-            libegl1 libgl1 libfontconfig1 libdbus-1-3
+            libegl1 libgl1 libfontconfig1 libdbus-1-3 libxcb-icccm4 libxcb-keysyms1
 
 .PHONY: run test setup system-deps lint bench
 .DEFAULT_GOAL := run
