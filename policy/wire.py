@@ -211,6 +211,28 @@ class Footprint(TypedDict):
     kind: Literal["pss", "rss"]
 
 
+class PoolSizesBody(TypedDict):
+    moe_slots: int
+    kv_pages: int
+    kv_tokens: int
+
+
+class RebuildResult(TypedDict):
+    """What `POST /admin/cache/rebuild` reports, and what the dashboard shows verbatim.
+
+    200 when ``outcome`` is ``"applied"``. Any other outcome is an error body
+    (``error_body(kind, message, **result)``) carrying these same fields inside ``error``,
+    so a refusal still says what the sizes are now. ``after`` equals ``before`` unless
+    the change was applied.
+    """
+
+    outcome: RebuildOutcomeName
+    before: PoolSizesBody
+    after: PoolSizesBody
+    prefix_cache_invalidated: bool
+    elapsed_ms: float
+
+
 class StatusSnapshot(TypedDict):
     state: GateStateName
     load_progress: LoadProgress | None
@@ -222,4 +244,4 @@ class StatusSnapshot(TypedDict):
     throughput: Throughput
     requests: list[ActiveRequest]
     footprint: Footprint | None  # the engine process; None where unmeasurable
-    last_rebuild: NotRequired[dict[str, object] | None]  # the last rebuild response body
+    last_rebuild: NotRequired[RebuildResult | None]  # the last rebuild's result
