@@ -1,0 +1,684 @@
+"""Which (layer, expert) lives in which device slot, and what to evict: the residency planner.
+
+The planner moves no bytes. `ExpertCache.ensure` is called once per MoE layer per forward
+step with that layer's routed expert ids and answers with an `ExpertPlan`: the slot each
+routed id should be computed from (``None`` = compute it on the CPU from host memory), and
+the ``(slot, expert)`` copies that must land before the layer runs. The engine applies the
+copies with `moetray.policy.moe.expert_slots.ExpertSlots` and reports a failed copy back
+with `ExpertCache.forget_slot`.
+
+One pool of ``capacity`` slots is shared by every layer. The layers are assumed to be
+visited in order 0, 1, …, L−1 once per forward step (the order transformers runs them);
+policies may use that to know when a layer's experts are next needed. Statistics are kept
+per layer; the global figures are their sums, exactly.
+
+Policies (``policy=``):
+
+- ``"horizon"`` (the default, :data:`DEFAULT_POLICY`): evicts the resident expert whose
+  next use is predicted farthest away, in global layer-call positions. Each layer keeps its
+  experts in recency order; a layer's least recent expert is predicted to come back after
+  ``age`` more visits of its layer plus the distance to that layer's next visit. Comparing
+  those horizons across layers is what a single global LRU cannot do: a global LRU evicts
+  the layer that runs next, which is why it hits 0 % once ``capacity < layers × top_k``.
+- ``"lru"``: plain global LRU over all layers (FreeToken's policy); collapses to 0 % hits
+  on the cyclic layer sweep when ``capacity < layers × top_k``.
+- ``"layer_lru"``: LRU inside a fixed per-layer share of the pool (``capacity // L`` each,
+  the remainder to the first layers), as mixtral-offloading does.
+- ``"lfu"``: least frequently routed first (counts over the whole history, including
+  routes computed on the CPU), ties to the least recent.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "CacheIntegrityError",
+    "CacheRefused",
+    "CacheStats",
+    "ExpertCache",
+    "ExpertPlan",
+    "ResizePlan",
+]
+
+DEFAULT_POLICY = "horizon"
+"""The project's best online policy (see `bench/results/trace.json` for the evidence)."""
+
+
+class CacheRefused(ValueError):
+    """A request the planner refuses before changing any state.
+
+    ``kind`` is one of ``invalid_geometry``, ``below_floor``, ``unknown_policy``,
+    ``layer_out_of_range``, ``expert_out_of_range``, ``slot_out_of_range``,
+    ``invalid_fetch_limit``; the offending values are attributes named in ``fields``.
+    """
+
+    def __init__(self, kind: str, message: str, **fields: object) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.fields = fields
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+
+class CacheIntegrityError(RuntimeError):
+    """`ExpertCache.check_integrity` found the maps or counters inconsistent (a bug)."""
+
+    kind = "integrity"
+
+
+class CacheStats(NamedTuple):
+    """Counters over ``ensure`` calls. ``hits + misses`` counts distinct routed experts;
+    ``misses = fetched + bypassed`` (a bypassed miss is computed on the CPU)."""
+
+    calls: int = 0
+    hits: int = 0
+    misses: int = 0
+    fetched: int = 0
+    bypassed: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """``hits / (hits + misses)``; None before any routed expert was seen."""
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+    def __add__(self, other: object) -> CacheStats:  # type: ignore[override]
+        if not isinstance(other, CacheStats):
+            return NotImplemented
+        return CacheStats(*(a + b for a, b in zip(self, other, strict=True)))
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """What one layer call needs. Read-only; produced by `ExpertCache.ensure`.
+
+    - ``slots[i]``: the slot routed id ``expert_ids[i]`` is computed from, or None to compute
+      it on the CPU (a miss beyond ``fetch_limit``, or more distinct experts than slots).
+      Duplicated ids share one slot.
+    - ``copies``: ``(slot, expert)`` pairs (experts of ``layer``) to copy from host memory
+      before the layer runs; each slot and each expert appears at most once.
+    - ``hits`` / ``misses``: counts over the *distinct* routed experts; ``fetched`` =
+      ``len(copies)``; ``bypassed``: the distinct missed experts sent to the CPU, ascending.
+    - ``evicted``: ``(layer, expert)`` pairs that lost their slot to this plan.
+    """
+
+    layer: int
+    expert_ids: tuple[int, ...]
+    slots: list[int | None]
+    copies: list[tuple[int, int]]
+    hits: int
+    misses: int
+    bypassed: tuple[int, ...]
+    evicted: list[tuple[int, int]]
+
+    @property
+    def fetched(self) -> int:
+        return len(self.copies)
+
+    @property
+    def warm(self) -> bool:
+        """True when nothing has to be copied."""
+        return not self.copies
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    """What `ExpertCache.resize` decided; the slot pool must apply it in this order.
+
+    1. ``moves``: ``(src_slot, dst_slot)`` copies that compact the kept experts into
+       ``[0, capacity)`` (only when shrinking; sources are ≥ capacity, destinations below it
+       and never a source, so the moves may run in any order);
+    2. then truncate or extend the pool to ``capacity`` slots.
+
+    ``dropped`` lists the ``(layer, expert)`` pairs that lost residency (the coldest).
+    """
+
+    old_capacity: int
+    capacity: int
+    moves: list[tuple[int, int]]
+    dropped: list[tuple[int, int]]
+
+
+# --- eviction policies ------------------------------------------------------------------
+#
+# A ranker only orders the resident experts; the cache owns the maps, the free list and the
+# counters. Flat ids are ``layer * num_experts + expert``. The cache calls, per ensure:
+# ``begin(layer)``, then ``touch(flat)`` for each hit, then for each admitted miss
+# ``victim(layer, protected)`` (only when no free slot may be used) and ``admit(flat)``.
+
+
+class _Ranker:
+    name = ""
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.c = cache
+
+    def begin(self, layer: int) -> None:
+        """A new call of ``layer`` starts (the cache already advanced its clocks)."""
+
+    def touch(self, flat: int) -> None:
+        """A resident expert was routed (a hit)."""
+
+    def admit(self, flat: int) -> None:
+        """A missed expert now owns a slot."""
+
+    def remove(self, flat: int) -> None:
+        """An expert lost its slot (evicted, forgotten or dropped by a resize)."""
+
+    def end(self, flats: list[int]) -> None:
+        """The call is over and the recency and counts of its routed ``flats`` are updated."""
+
+    def must_evict(self, layer: int) -> bool:
+        """True when ``layer`` may not take a free slot even if one exists (quota policies)."""
+        return False
+
+    def victim(self, layer: int, protected: set[int]) -> int | None:
+        """The resident flat id to evict for a miss of ``layer``; never one in ``protected``.
+
+        None when every candidate is protected. Mutates nothing.
+        """
+        raise NotImplementedError
+
+    def fetch_priority(self, flat: int) -> tuple:
+        """Sort key, larger first: which misses to fetch when ``fetch_limit`` caps them."""
+        last = self.c._last_call[flat]
+        return (-1 if last is None else last,)
+
+    def resize(self, capacity: int) -> None:
+        """The pool size changes to ``capacity`` (after the shrink's evictions)."""
+
+
+class _GlobalLRU(_Ranker):
+    """Evict the expert least recently routed, over all layers."""
+
+    name = "lru"
+
+    def __init__(self, cache: ExpertCache) -> None:
+        super().__init__(cache)
+        self.order: OrderedDict[int, None] = OrderedDict()
+
+    def touch(self, flat: int) -> None:
+        self.order.move_to_end(flat)
+
+    def admit(self, flat: int) -> None:
+        self.order[flat] = None
+
+    def remove(self, flat: int) -> None:
+        del self.order[flat]
+
+    def victim(self, layer: int, protected: set[int]) -> int | None:
+        for flat in self.order:
+            if flat not in protected:
+                return flat
+        return None
+
+
+class _LayerLRU(_Ranker):
+    """Evict the least recently routed expert of the same layer, within its fixed share."""
+
+    name = "layer_lru"
+
+    def __init__(self, cache: ExpertCache) -> None:
+        super().__init__(cache)
+        self.orders = [OrderedDict[int, None]() for _ in range(cache.num_layers)]
+        self.quota = self._quotas(cache.capacity)
+
+    def _quotas(self, capacity: int) -> list[int]:
+        n = self.c.num_layers
+        return [capacity // n + (1 if i < capacity % n else 0) for i in range(n)]
+
+    def touch(self, flat: int) -> None:
+        self.orders[flat // self.c.num_experts].move_to_end(flat)
+
+    def admit(self, flat: int) -> None:
+        self.orders[flat // self.c.num_experts][flat] = None
+
+    def remove(self, flat: int) -> None:
+        del self.orders[flat // self.c.num_experts][flat]
+
+    def must_evict(self, layer: int) -> bool:
+        return len(self.orders[layer]) >= self.quota[layer]
+
+    def victim(self, layer: int, protected: set[int]) -> int | None:
+        if self.quota[layer] == 0:
+            return None
+        for flat in self.orders[layer]:
+            if flat not in protected:
+                return flat
+        return None
+
+    def shrink_victim(self) -> int | None:
+        over = [(len(o) - q, i) for i, (o, q) in enumerate(zip(self.orders, self.quota, strict=True))]
+        excess, layer = max(over)
+        return next(iter(self.orders[layer])) if excess > 0 else None
+
+    def resize(self, capacity: int) -> None:
+        self.quota = self._quotas(capacity)
+
+
+class _LFU(_Ranker):
+    """Evict the expert routed least often (whole history), ties to the least recent."""
+
+    name = "lfu"
+
+    def __init__(self, cache: ExpertCache) -> None:
+        super().__init__(cache)
+        self.heap: list[tuple[int, int, int]] = []
+        self.resident: set[int] = set()
+
+    def _key(self, flat: int) -> tuple[int, int, int]:
+        last = self.c._last_call[flat]
+        return (self.c._count[flat], -1 if last is None else last, flat)
+
+    def admit(self, flat: int) -> None:
+        self.resident.add(flat)
+
+    def end(self, flats: list[int]) -> None:
+        for flat in flats:
+            if flat in self.resident:
+                heapq.heappush(self.heap, self._key(flat))
+
+    def remove(self, flat: int) -> None:
+        self.resident.discard(flat)
+
+    def victim(self, layer: int, protected: set[int]) -> int | None:
+        skipped = []
+        found = None
+        while self.heap:
+            key = self.heap[0]
+            flat = key[2]
+            if flat not in self.resident or key != self._key(flat):
+                heapq.heappop(self.heap)  # stale entry: the expert moved on or left
+                continue
+            if flat in protected:
+                skipped.append(heapq.heappop(self.heap))
+                continue
+            found = flat
+            break
+        for key in skipped:
+            heapq.heappush(self.heap, key)
+        if len(self.heap) > 4 * (len(self.resident) + 16):
+            self.heap = [self._key(f) for f in self.resident]
+            heapq.heapify(self.heap)
+        return found
+
+    def fetch_priority(self, flat: int) -> tuple:
+        count, last, _ = self._key(flat)
+        return (count, last)
+
+
+class _Horizon(_Ranker):
+    """Evict the expert whose next use is predicted farthest away, across layers.
+
+    Each layer keeps its resident experts in recency order (last visit of that layer that
+    routed them). For a candidate of layer ``m`` that was last routed ``age`` visits of ``m``
+    ago, the predicted next use lies ``age × L + d`` layer calls ahead, where ``d`` is the
+    distance from the current layer to layer ``m``'s next visit. Only each layer's least
+    recent expert can hold the maximum, so a victim costs O(L).
+    """
+
+    name = "horizon"
+
+    def __init__(self, cache: ExpertCache) -> None:
+        super().__init__(cache)
+        self.orders = [OrderedDict[int, None]() for _ in range(cache.num_layers)]
+
+    def touch(self, flat: int) -> None:
+        self.orders[flat // self.c.num_experts].move_to_end(flat)
+
+    def admit(self, flat: int) -> None:
+        self.orders[flat // self.c.num_experts][flat] = None
+
+    def remove(self, flat: int) -> None:
+        del self.orders[flat // self.c.num_experts][flat]
+
+    def _horizon(self, flat: int, layer: int) -> int:
+        c = self.c
+        owner = flat // c.num_experts
+        last = c._last_pass[flat]
+        age = c._passes[owner] - (0 if last is None else last)
+        dist = (owner - layer) % c.num_layers or c.num_layers
+        return age * c.num_layers + dist
+
+    def victim(self, layer: int, protected: set[int]) -> int | None:
+        best: tuple[int, int] | None = None
+        best_flat = None
+        for owner, order in enumerate(self.orders):
+            for flat in order:
+                if flat in protected:
+                    continue
+                key = (self._horizon(flat, layer), -owner)
+                if best is None or key > best:
+                    best, best_flat = key, flat
+                break
+        return best_flat
+
+    def fetch_priority(self, flat: int) -> tuple:
+        last = self.c._last_pass[flat]
+        return (-1 if last is None else last,)
+
+
+_RANKERS: dict[str, type[_Ranker]] = {r.name: r for r in (_Horizon, _GlobalLRU, _LayerLRU, _LFU)}
+POLICIES: tuple[str, ...] = tuple(_RANKERS)
+"""Every policy name `ExpertCache` accepts; the first is the default."""
+
+
+class ExpertCache:
+    """The residency map of one slot pool shared by all MoE layers (planner only).
+
+    ``ExpertCache(num_layers, num_experts, capacity, policy=DEFAULT_POLICY)`` refuses with
+    `CacheRefused` (``invalid_geometry`` for non-positive layers or experts,
+    ``below_floor`` for ``capacity < 1``, ``unknown_policy``) before building anything.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, capacity: int,
+                 policy: str = DEFAULT_POLICY) -> None:
+        if not _is_int(num_layers) or not _is_int(num_experts) or num_layers < 1 or num_experts < 1:
+            raise CacheRefused("invalid_geometry", f"need ≥ 1 layer and ≥ 1 expert, got "
+                               f"{num_layers} × {num_experts}", num_layers=num_layers,
+                               num_experts=num_experts)
+        if not _is_int(capacity) or capacity < 1:
+            raise CacheRefused("below_floor", f"capacity {capacity} < 1 slot", capacity=capacity, floor=1)
+        if policy not in _RANKERS:
+            raise CacheRefused("unknown_policy", f"unknown policy {policy!r}; choose from {POLICIES}",
+                               policy=policy, choices=POLICIES)
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self._capacity = capacity
+        n = num_layers * num_experts
+        self._slot_of: dict[int, int] = {}
+        self._owner: list[int | None] = [None] * capacity
+        self._free: list[int] = list(range(capacity))  # a heap: lowest free slot first
+        self._calls = 0  # ensure calls so far, all layers
+        self._passes = [0] * num_layers  # ensure calls so far, per layer
+        self._last_call: list[int | None] = [None] * n  # global call index of the last route
+        self._last_pass: list[int | None] = [None] * n  # that layer's pass index of the last route
+        self._count = [0] * n  # routes over the whole history (distinct per call)
+        self._latest_layer = num_layers - 1  # as if the last layer had just run
+        self._stats = [CacheStats()] * num_layers
+        self._ranker = _RANKERS[policy](self)
+
+    # --- read-only views ----------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def policy(self) -> str:
+        return self._ranker.name
+
+    @property
+    def resident_count(self) -> int:
+        return len(self._slot_of)
+
+    def slot_of(self, layer: int, expert: int) -> int | None:
+        """The slot holding ``(layer, expert)``, or None. Mutates nothing; refuses out-of-range ids."""
+        self._check_layer(layer)
+        self._check_experts(layer, (expert,))
+        return self._slot_of.get(layer * self.num_experts + expert)
+
+    def occupant(self, slot: int) -> tuple[int, int] | None:
+        """``(layer, expert)`` in ``slot``, or None when empty. Refuses ``slot_out_of_range``."""
+        self._check_slot(slot)
+        flat = self._owner[slot]
+        return None if flat is None else divmod(flat, self.num_experts)
+
+    def residency_map(self) -> list[list[int | None]]:
+        """``[layer][expert] → slot`` or None (the telemetry ``residency`` field)."""
+        grid: list[list[int | None]] = [[None] * self.num_experts for _ in range(self.num_layers)]
+        for flat, slot in self._slot_of.items():
+            layer, expert = divmod(flat, self.num_experts)
+            grid[layer][expert] = slot
+        return grid
+
+    def recency_map(self) -> list[list[int | None]]:
+        """``[layer][expert] →`` visits of that layer since the expert was last routed (0 = in
+        the latest visit); None if never routed."""
+        grid: list[list[int | None]] = []
+        for layer in range(self.num_layers):
+            base = layer * self.num_experts
+            passes = self._passes[layer]
+            grid.append([None if (p := self._last_pass[base + e]) is None else passes - p
+                         for e in range(self.num_experts)])
+        return grid
+
+    def stats(self) -> CacheStats:
+        """Global counters: the exact sum of `layer_stats` over all layers."""
+        total = CacheStats()
+        for s in self._stats:
+            total = total + s
+        return total
+
+    def layer_stats(self, layer: int) -> CacheStats:
+        self._check_layer(layer)
+        return self._stats[layer]
+
+    def per_layer_stats(self) -> list[CacheStats]:
+        return list(self._stats)
+
+    def reset_stats(self) -> None:
+        """Zero the counters. Residency, recency and the policy's ordering are kept."""
+        self._stats = [CacheStats()] * self.num_layers
+
+    # --- the verbs ----------------------------------------------------------------------
+
+    def ensure(self, layer: int, expert_ids: Sequence[int] | Iterable[int],
+               fetch_limit: int | None = None) -> ExpertPlan:
+        """Decide where each routed expert of ``layer`` is computed this call.
+
+        Hits keep their slots. Misses are admitted in the policy's fetch order (the most
+        valuable first), at most ``fetch_limit`` of them (None = all): each takes the lowest
+        free slot, or evicts the policy's victim. A slot that holds an expert routed in this
+        call is never a victim. Misses beyond ``fetch_limit``, or beyond the slots that are
+        not protected, get ``None`` (compute on the CPU). Duplicated ids collapse to one
+        entry.
+
+        Mutates the residency, the policy's ordering, the recency and the counters.
+        Refuses with `CacheRefused` (``layer_out_of_range``, ``expert_out_of_range``,
+        ``invalid_fetch_limit``) before any state changes.
+        """
+        self._check_layer(layer)
+        routed = tuple(expert_ids)
+        self._check_experts(layer, routed)
+        routed = tuple(operator.index(e) for e in routed)
+        layer = operator.index(layer)
+        if fetch_limit is not None and (not _is_int(fetch_limit) or fetch_limit < 0):
+            raise CacheRefused("invalid_fetch_limit", f"fetch_limit {fetch_limit!r} must be None or ≥ 0",
+                               fetch_limit=fetch_limit)
+        base = layer * self.num_experts
+        distinct = list(dict.fromkeys(routed))
+        self._calls += 1
+        self._passes[layer] += 1
+        self._latest_layer = layer
+        self._ranker.begin(layer)
+
+        slot_for: dict[int, int | None] = {}
+        protected: set[int] = set()
+        missed: list[int] = []
+        for expert in distinct:
+            flat = base + expert
+            slot = self._slot_of.get(flat)
+            if slot is None:
+                missed.append(expert)
+            else:
+                slot_for[expert] = slot
+                protected.add(flat)
+                self._ranker.touch(flat)
+        hits = len(distinct) - len(missed)
+
+        ranker = self._ranker
+        missed.sort(key=lambda e: (tuple(-v for v in ranker.fetch_priority(base + e)), e))
+        budget = len(missed) if fetch_limit is None else min(fetch_limit, len(missed))
+        copies: list[tuple[int, int]] = []
+        evicted: list[tuple[int, int]] = []
+        bypassed: list[int] = []
+        for expert in missed:
+            flat = base + expert
+            slot = None
+            if len(copies) < budget:
+                slot = self._take_slot(layer, protected, evicted)
+            if slot is None:
+                bypassed.append(expert)
+                slot_for[expert] = None
+                continue
+            self._slot_of[flat] = slot
+            self._owner[slot] = flat
+            protected.add(flat)
+            ranker.admit(flat)
+            copies.append((slot, expert))
+            slot_for[expert] = slot
+
+        for expert in distinct:  # recency and counts after the decisions: this call is "now"
+            flat = base + expert
+            self._last_call[flat] = self._calls
+            self._last_pass[flat] = self._passes[layer]
+            self._count[flat] += 1
+        ranker.end([base + e for e in distinct])
+        s = self._stats[layer]
+        self._stats[layer] = CacheStats(s.calls + 1, s.hits + hits, s.misses + len(missed),
+                                        s.fetched + len(copies), s.bypassed + len(bypassed))
+        return ExpertPlan(layer=layer, expert_ids=routed, slots=[slot_for[e] for e in routed],
+                          copies=copies, hits=hits, misses=len(missed),
+                          bypassed=tuple(sorted(bypassed)), evicted=evicted)
+
+    def forget_slot(self, slot: int) -> tuple[int, int] | None:
+        """Mark ``slot`` empty after its copy failed; it becomes the first slot to be reused.
+
+        Returns the ``(layer, expert)`` that lost residency (None if the slot was empty).
+        Mutates the residency only. Refuses ``slot_out_of_range`` before any change.
+        """
+        self._check_slot(slot)
+        flat = self._owner[slot]
+        if flat is None:
+            return None
+        self._drop(flat)
+        return divmod(flat, self.num_experts)
+
+    def resize(self, capacity: int) -> ResizePlan:
+        """Change the pool to ``capacity`` slots, keeping the hottest experts.
+
+        Shrinking evicts in the policy's own eviction order until the residents fit, then
+        moves the survivors that sit at or above ``capacity`` into freed slots below it.
+        Growing adds empty slots. Mutates the residency and the policy; keeps recency and
+        counters. Refuses ``below_floor`` (capacity < 1) before any change.
+        """
+        if not _is_int(capacity) or capacity < 1:
+            raise CacheRefused("below_floor", f"capacity {capacity} < 1 slot", capacity=capacity, floor=1)
+        old = self._capacity
+        dropped: list[tuple[int, int]] = []
+        moves: list[tuple[int, int]] = []
+        ranker = self._ranker
+        if capacity < old:
+            ranker.resize(capacity)
+            while len(self._slot_of) > capacity or (
+                    isinstance(ranker, _LayerLRU) and ranker.shrink_victim() is not None):
+                if isinstance(ranker, _LayerLRU):
+                    flat = ranker.shrink_victim()
+                else:
+                    flat = ranker.victim(self._latest_layer, set())
+                assert flat is not None, "an unprotected victim always exists while shrinking"
+                self._drop(flat)
+                dropped.append(divmod(flat, self.num_experts))
+            free_low = sorted(s for s in range(capacity) if self._owner[s] is None)
+            for src in range(capacity, old):
+                flat = self._owner[src]
+                if flat is None:
+                    continue
+                dst = free_low.pop(0)
+                moves.append((src, dst))
+                self._owner[dst] = flat
+                self._slot_of[flat] = dst
+            del self._owner[capacity:]
+            self._free = [s for s in range(capacity) if self._owner[s] is None]
+            heapq.heapify(self._free)
+        elif capacity > old:
+            self._owner.extend([None] * (capacity - old))
+            for s in range(old, capacity):
+                heapq.heappush(self._free, s)
+            ranker.resize(capacity)
+        self._capacity = capacity
+        return ResizePlan(old_capacity=old, capacity=capacity, moves=moves, dropped=dropped)
+
+    def check_integrity(self) -> None:
+        """Raise `CacheIntegrityError` naming the counts when the maps or free list disagree.
+
+        The slot→expert and expert→slot maps must be mutual inverses, every slot is either
+        free or owned, and the per-layer counters must be internally consistent. Mutates nothing.
+        """
+        for flat, slot in self._slot_of.items():
+            if not 0 <= slot < self._capacity or self._owner[slot] != flat:
+                raise CacheIntegrityError(f"expert {flat} → slot {slot}, but that slot holds "
+                                          f"{self._owner[slot] if 0 <= slot < self._capacity else '—'}")
+        owned = sum(1 for f in self._owner if f is not None)
+        if owned != len(self._slot_of):
+            raise CacheIntegrityError(f"{owned} owned slots vs {len(self._slot_of)} resident experts")
+        free = set(self._free)
+        if len(free) != len(self._free) or any(self._owner[s] is not None for s in free):
+            raise CacheIntegrityError(f"free list {sorted(self._free)} repeats or holds owned slots")
+        if len(free) + owned != self._capacity:
+            raise CacheIntegrityError(f"free {len(free)} + owned {owned} ≠ capacity {self._capacity}")
+        for layer, s in enumerate(self._stats):
+            if s.misses != s.fetched + s.bypassed:
+                raise CacheIntegrityError(f"layer {layer}: misses {s.misses} ≠ fetched {s.fetched} "
+                                          f"+ bypassed {s.bypassed}")
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _take_slot(self, layer: int, protected: set[int], evicted: list[tuple[int, int]]) -> int | None:
+        ranker = self._ranker
+        if self._free and not ranker.must_evict(layer):
+            return heapq.heappop(self._free)
+        flat = ranker.victim(layer, protected)
+        if flat is None:
+            return None
+        slot = self._slot_of[flat]
+        self._drop(flat, free=False)
+        evicted.append(divmod(flat, self.num_experts))
+        return slot
+
+    def _drop(self, flat: int, free: bool = True) -> None:
+        slot = self._slot_of.pop(flat)
+        self._owner[slot] = None
+        self._ranker.remove(flat)
+        if free:
+            heapq.heappush(self._free, slot)
+
+    def _check_layer(self, layer: int) -> None:
+        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+            raise CacheRefused("layer_out_of_range", f"layer {layer!r} not in [0, {self.num_layers})",
+                               layer=layer, num_layers=self.num_layers)
+
+    def _check_experts(self, layer: int, experts: Sequence[int]) -> None:
+        for e in experts:
+            if not _is_int(e) or not 0 <= e < self.num_experts:
+                raise CacheRefused("expert_out_of_range", f"expert {e!r} of layer {layer} not in "
+                                   f"[0, {self.num_experts})", layer=layer, expert=e,
+                                   num_experts=self.num_experts)
+
+    def _check_slot(self, slot: int) -> None:
+        if not _is_int(slot) or not 0 <= slot < self._capacity:
+            raise CacheRefused("slot_out_of_range", f"slot {slot!r} not in [0, {self._capacity})",
+                               slot=slot, capacity=self._capacity)
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; a True layer index is a bug, not layer 1. Accept numpy/torch
+    # integer scalars through __index__.
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    try:
+        value.__index__()  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        return False
+    return True
