@@ -82,6 +82,7 @@ REFUSALS: dict[str, Refusal] = {
     "too_large": Refusal(400, Retry.NEVER, "Those pool sizes do not fit in the memory budget."),
     "idle_timeout": Refusal(503, Retry.NOW, "Requests did not finish in time; nothing was changed."),
     # Rebuild outcomes that are not success.
+    "rejected_intact": Refusal(409, Retry.LATER, "The re-split failed before any pool was freed."),
     "rolled_back": Refusal(409, Retry.NOW, "The re-split failed and the old sizes were restored."),
     "rebuild_latched": Refusal(500, Retry.NEVER, "The re-split and its rollback failed; restart the engine."),
     # Stop (`StopRefused.kind`, `StopFailure.kind`).
