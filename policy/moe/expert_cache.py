@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import operator
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -472,11 +472,13 @@ class ExpertCache:
     # --- the verbs ----------------------------------------------------------------------
 
     def ensure(self, layer: int, expert_ids: Sequence[int] | Iterable[int],
-               fetch_limit: int | None = None) -> ExpertPlan:
+               fetch_limit: int | Callable[[int], int] | None = None) -> ExpertPlan:
         """Decide where each routed expert of ``layer`` is computed this call.
 
         Hits keep their slots. Misses are admitted in the policy's fetch order (the most
-        valuable first), at most ``fetch_limit`` of them (None = all): each takes the lowest
+        valuable first), at most ``fetch_limit`` of them (None = all; a callable is given the
+        number of distinct misses and returns the limit, e.g. ``QStarPolicy.fetch_count``;
+        the limit is decided before anything changes): each takes the lowest
         free slot, or evicts the policy's victim. A slot that holds an expert routed in this
         call is never a victim. Misses beyond ``fetch_limit``, or beyond the slots that are
         not protected, get ``None`` (compute on the CPU). Duplicated ids collapse to one
@@ -491,11 +493,10 @@ class ExpertCache:
         self._check_experts(layer, routed)
         routed = tuple(operator.index(e) for e in routed)
         layer = operator.index(layer)
-        if fetch_limit is not None and (not _is_int(fetch_limit) or fetch_limit < 0):
-            raise CacheRefused("invalid_fetch_limit", f"fetch_limit {fetch_limit!r} must be None or ≥ 0",
-                               fetch_limit=fetch_limit)
         base = layer * self.num_experts
         distinct = list(dict.fromkeys(routed))
+        missed = [e for e in distinct if base + e not in self._slot_of]
+        budget = self._fetch_budget(fetch_limit, len(missed))
         self._calls += 1
         self._passes[layer] += 1
         self._latest_layer = layer
@@ -503,13 +504,10 @@ class ExpertCache:
 
         slot_for: dict[int, int | None] = {}
         protected: set[int] = set()
-        missed: list[int] = []
         for expert in distinct:
             flat = base + expert
             slot = self._slot_of.get(flat)
-            if slot is None:
-                missed.append(expert)
-            else:
+            if slot is not None:
                 slot_for[expert] = slot
                 protected.add(flat)
                 self._ranker.touch(flat)
@@ -517,7 +515,6 @@ class ExpertCache:
 
         ranker = self._ranker
         missed.sort(key=lambda e: (tuple(-v for v in ranker.fetch_priority(base + e)), e))
-        budget = len(missed) if fetch_limit is None else min(fetch_limit, len(missed))
         copies: list[tuple[int, int]] = []
         evicted: list[tuple[int, int]] = []
         bypassed: list[int] = []
@@ -632,6 +629,15 @@ class ExpertCache:
                                           f"+ bypassed {s.bypassed}")
 
     # --- internals ----------------------------------------------------------------------
+
+    def _fetch_budget(self, fetch_limit: int | Callable[[int], int] | None, missing: int) -> int:
+        limit = fetch_limit(missing) if callable(fetch_limit) else fetch_limit
+        if limit is None:
+            return missing
+        if not _is_int(limit) or limit < 0:
+            raise CacheRefused("invalid_fetch_limit", f"fetch_limit {limit!r} must be None or an "
+                               f"integer ≥ 0", fetch_limit=limit, missing=missing)
+        return min(operator.index(limit), missing)
 
     def _take_slot(self, layer: int, protected: set[int], evicted: list[tuple[int, int]]) -> int | None:
         ranker = self._ranker
