@@ -1,0 +1,237 @@
+"""The Pools panel's model: the re-split slider, its presets, projection and Apply outcome.
+
+All arithmetic is :mod:`moetray.policy.pool_budget`'s, rebuilt from the snapshot's
+``pools`` object with ``PoolBudget.from_wire``: the slider's range is
+``slider_limits``, a position becomes sizes through ``split_at``, presets are
+``presets``, and the projection in slots, tokens and GiB is ``project``. So the slider
+never offers a size the engine's ``validate_rebuild`` would reject for want of memory.
+
+The slider's integer value is the number of expert slots; KV takes what the budget
+leaves. The selection follows the engine's sizes until the user moves it; after that it
+stays put (1 Hz snapshots do not yank the slider) until Apply finishes or Reset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from PySide6.QtCore import QObject, Signal
+
+from moetray.policy import wire
+from moetray.policy.pool_budget import BudgetTooSmall, PoolBudget, PoolLimits, PoolSizes, Projection
+from moetray.ui.viewmodels import ApplyOutcome
+
+PRESET_LABELS = {"minimum": "Minimum", "chat": "Chat", "agent": "Agent"}
+
+
+class ApplyRefused(Exception):
+    """Apply is not possible now; ``kind`` is ``disabled`` (see ``reason``) or ``unchanged``."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class RebuildTarget:
+    """The body of one Apply: only the pools whose size changes (``None`` = leave alone)."""
+
+    moe_slots: int | None
+    kv_tokens: int | None
+
+
+class PoolsModel(QObject):
+    """Slider state between the expert cache and the KV pool.
+
+    Signals: ``changed`` (engine sizes, limits, presets, enabled state), ``selection_changed``
+    (the slider's choice and its projection), ``outcome_changed`` (Apply started/finished).
+    """
+
+    changed = Signal()
+    selection_changed = Signal()
+    outcome_changed = Signal()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.budget: PoolBudget | None = None
+        self.limits: PoolLimits | None = None
+        self.presets: tuple[tuple[str, PoolSizes], ...] = ()
+        self.current: PoolSizes | None = None
+        self.kv_pages_used: int | None = None
+        self.kv_pages_evictable: int | None = None
+        self.gate_state: str | None = None
+        self.budget_error: str | None = None
+        self.selection: PoolSizes | None = None
+        self.user_moved = False
+        self.applying = False
+        self.outcome: ApplyOutcome | None = None
+
+    # -- derived ----------------------------------------------------------------------
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why the slider is disabled now, or ``None`` when it may be used."""
+        if self.applying:
+            return "Applying the re-split…"
+        if self.gate_state is None:
+            return "No engine is running."
+        if self.gate_state != "serving":
+            summary = wire.refusal_for(self.gate_state).summary if self.gate_state in wire.REFUSALS \
+                else f"The engine is {self.gate_state}."
+            return f"Re-split unavailable: {summary}"
+        if self.budget is None:
+            return "This engine reports no resizable pools."
+        if self.budget_error is not None:
+            return self.budget_error
+        return None
+
+    @property
+    def enabled(self) -> bool:
+        return self.disabled_reason is None
+
+    @property
+    def dirty(self) -> bool:
+        """The selection differs from the engine's sizes (Apply has something to do)."""
+        return self.selection is not None and self.selection != self.current
+
+    @property
+    def has_moe_range(self) -> bool:
+        return self.limits is not None and self.limits.moe_max > self.limits.moe_min
+
+    def projection(self, sizes: PoolSizes | None = None) -> Projection | None:
+        """Slots, KV pages/tokens and bytes of ``sizes`` (the selection by default)."""
+        sizes = sizes if sizes is not None else self.selection
+        if sizes is None or self.budget is None:
+            return None
+        return self.budget.project(sizes)
+
+    def preset_matching(self) -> str | None:
+        """The preset the selection equals, if any."""
+        for name, sizes in self.presets:
+            if sizes == self.selection:
+                return name
+        return None
+
+    # -- inputs from the engine ----------------------------------------------------------
+
+    def apply_snapshot(self, snap: Mapping[str, Any]) -> bool:
+        """Take the gate state and the ``pools`` object; emits only on a real change."""
+        pools = snap.get("pools")
+        changed = self._set("gate_state", snap.get("state"))
+        if pools:
+            budget = PoolBudget.from_wire(dict(pools))
+            current = PoolSizes(int(pools["moe_slots"]), int(pools["kv_pages"]))
+            changed |= self._set("kv_pages_used", pools.get("kv_pages_used"))
+            changed |= self._set("kv_pages_evictable", pools.get("kv_pages_evictable"))
+        else:
+            budget, current = None, None
+            changed |= self._set("kv_pages_used", None)
+            changed |= self._set("kv_pages_evictable", None)
+        if budget != self.budget:
+            self.budget = budget
+            self._derive_limits()
+            changed = True
+        changed |= self._set("current", current)
+        if changed:
+            self.changed.emit()
+        if not self.user_moved and not self.applying:
+            self._select(self.current)
+        elif self.selection is not None and self.limits is not None:
+            # Keep the user's choice, but never one the new limits would reject.
+            self._select(self._clamp(self.selection))
+        return changed
+
+    def clear(self) -> None:
+        """No engine: forget everything but the last outcome."""
+        self.apply_snapshot({"state": None, "pools": None})
+
+    # -- user verbs ---------------------------------------------------------------------
+
+    def select_slots(self, moe_slots: int) -> PoolSizes | None:
+        """Move the slider to ``moe_slots`` expert slots; KV takes the rest (``split_at``)."""
+        if self.budget is None or self.limits is None:
+            return None
+        span = self.limits.moe_max - self.limits.moe_min
+        fraction = 0.0 if span <= 0 else (moe_slots - self.limits.moe_min) / span
+        sizes = self.budget.split_at(fraction)
+        self.user_moved = True
+        self._select(sizes)
+        return sizes
+
+    def select_preset(self, name: str) -> PoolSizes:
+        """Select a named preset's sizes; refuses an unknown name with ``KeyError``."""
+        sizes = dict(self.presets)[name]
+        self.user_moved = True
+        self._select(sizes)
+        return sizes
+
+    def reset_selection(self) -> None:
+        """Show the engine's sizes again."""
+        self.user_moved = False
+        self._select(self.current)
+
+    def begin_apply(self) -> RebuildTarget:
+        """Start an Apply of the selection; returns the request body to send.
+
+        Names only the pools that change, so a MoE-only change keeps the prefix cache.
+        Refuses with :class:`ApplyRefused` while disabled (``disabled``) or when the
+        selection equals the engine's sizes (``unchanged``). Marks the model applying.
+        """
+        reason = self.disabled_reason
+        if reason is not None:
+            raise ApplyRefused("disabled", reason)
+        if not self.dirty or self.selection is None or self.current is None or self.budget is None:
+            raise ApplyRefused("unchanged", "The selection equals the engine's sizes.")
+        moe = self.selection.moe_slots if self.selection.moe_slots != self.current.moe_slots else None
+        kv = (self.selection.kv_pages * self.budget.page_size
+              if self.selection.kv_pages != self.current.kv_pages else None)
+        self.applying = True
+        self.outcome_changed.emit()
+        self.changed.emit()
+        return RebuildTarget(moe, kv)
+
+    def finish_apply(self, outcome: ApplyOutcome) -> None:
+        """Record the engine's verdict; the slider returns to following the engine."""
+        self.applying = False
+        self.outcome = outcome
+        if outcome.after is not None:
+            self.current = PoolSizes(outcome.after.moe_slots, outcome.after.kv_pages)
+        self.user_moved = False
+        self._select(self.current)
+        self.outcome_changed.emit()
+        self.changed.emit()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _set(self, name: str, value: Any) -> bool:
+        if getattr(self, name) == value:
+            return False
+        setattr(self, name, value)
+        return True
+
+    def _derive_limits(self) -> None:
+        self.limits, self.presets, self.budget_error = None, (), None
+        if self.budget is None:
+            return
+        try:
+            self.limits = self.budget.limits()
+            self.presets = tuple((p.name, p.sizes) for p in self.budget.presets())
+        except BudgetTooSmall as exc:
+            self.budget_error = f"The memory budget is too small for any split ({exc})."
+
+    def _clamp(self, sizes: PoolSizes) -> PoolSizes:
+        assert self.budget is not None and self.limits is not None
+        moe = min(max(sizes.moe_slots, self.limits.moe_min), self.limits.moe_max)
+        if moe == sizes.moe_slots and self.limits.kv_min <= sizes.kv_pages <= self.limits.kv_max \
+                and self.budget.needed_bytes(sizes) <= self.budget.net_bytes:
+            return sizes
+        span = self.limits.moe_max - self.limits.moe_min
+        return self.budget.split_at(0.0 if span <= 0 else (moe - self.limits.moe_min) / span)
+
+    def _select(self, sizes: PoolSizes | None) -> None:
+        if sizes != self.selection:
+            self.selection = sizes
+            self.selection_changed.emit()
