@@ -1,0 +1,63 @@
+"""Every refusal kind the control-plane policies can raise has an HTTP mapping in wire.REFUSALS.
+
+An unmapped kind reaches clients as a generic 500 that never retries: a transient "busy"
+would look like a crash. Each refusal class lists its kinds in a ``KINDS`` tuple, so a
+kind added without a row in ``wire.REFUSALS`` turns this test red.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from moetray.policy import footprint, maintenance, outbox, pool_budget, rebuild
+from moetray.policy.rebuild import OUTCOME_REFUSAL_KINDS, Applied, Latched, RejectedIntact, RolledBack
+from moetray.policy.wire import REFUSALS
+
+CONTROL_PLANE = (maintenance, rebuild, pool_budget, outbox, footprint)
+
+
+def exception_classes(module) -> list[type[BaseException]]:
+    return [
+        obj
+        for _, obj in inspect.getmembers(module, inspect.isclass)
+        if issubclass(obj, BaseException) and obj.__module__ == module.__name__
+    ]
+
+
+@pytest.mark.parametrize("module", CONTROL_PLANE, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_every_refusal_class_declares_its_kinds(module):
+    """A refusal class without KINDS could raise a kind no table knows about, unnoticed."""
+    for cls in exception_classes(module):
+        assert isinstance(getattr(cls, "KINDS", None), tuple) and cls.KINDS, cls.__name__
+        for kind in cls.KINDS:
+            assert kind.isidentifier() and kind == kind.lower(), (cls.__name__, kind)
+
+
+def test_every_declared_kind_is_mapped():
+    """Issue 2: the HTTP layer maps kinds to statuses; an unmapped kind becomes a 500 that never retries."""
+    declared = {
+        (cls.__qualname__, kind)
+        for module in CONTROL_PLANE
+        for cls in exception_classes(module)
+        for kind in cls.KINDS
+    }
+    assert declared  # the enumeration itself must find something
+    assert {kind for _, kind in declared} >= {"busy", "too_large", "not_persisted", "loading"}
+    unmapped = sorted(item for item in declared if item[1] not in REFUSALS)
+    assert unmapped == []
+
+
+def test_admission_kinds_are_the_closed_gate_states():
+    """AdmissionClosed's kind is the state's value: every closed state needs its own mapping."""
+    closed = {s.value for s in maintenance.GateState} - {"serving"}
+    assert set(maintenance.AdmissionClosed.KINDS) == closed
+
+
+def test_every_failed_rebuild_outcome_is_mapped():
+    """The rebuild reply's status comes from the outcome; an unmapped outcome would hide a rollback."""
+    outcome_kinds = {cls.refusal_kind for cls in (RejectedIntact, RolledBack, Latched)}
+    assert outcome_kinds == set(OUTCOME_REFUSAL_KINDS)
+    assert all(kind in REFUSALS for kind in outcome_kinds)
+    assert Applied.refusal_kind is None
