@@ -1,0 +1,146 @@
+"""Offloaded MoE experts: the host store, the slot pool and the registered experts runtime.
+
+The engine loads a checkpoint with :func:`load_offloaded_model` and serves
+``OffloadedModel.model`` like any transformers model (``generate``, continuous batching);
+the MoE layers run through the ``"moetray"`` experts implementation, which fetches experts
+from host memory into a fixed pool of device slots as routing asks for them.
+
+Public API (stable; the engine server calls these)::
+
+    load_offloaded_model(checkpoint_dir, *, device="cpu", dtype=None, capacity,
+                         policy=None, fetch_fraction=None, cpu_layers=None,
+                         link_gbps=None, progress=None) -> OffloadedModel
+    load_resident_model(checkpoint_dir, *, device="cpu", dtype=None,
+                        experts_implementation="eager") -> transformers model
+
+    OffloadedModel.model     transformers model: non-expert weights on ``device``, experts
+                             implementation "moetray", no expert parameters anywhere on the
+                             device (the Experts modules hold ``None`` for their weights)
+    OffloadedModel.runtime   ExpertRuntime
+    OffloadedModel.store     ExpertStore (host tier; pinned on CUDA)
+
+    ExpertRuntime.num_layers, .num_experts, .top_k     geometry (MoE layers only)
+    ExpertRuntime.capacity                             slots in the pool now
+    ExpertRuntime.bytes_per_slot                       device bytes per slot (one expert)
+    ExpertRuntime.resize(capacity, mark_teardown=None) -> dict
+        keeps the hottest experts; allocates the new pool first (failure → ResizeFault
+        "allocation_failed", old pool intact, mark_teardown not called), then calls
+        mark_teardown() before freeing anything
+    ExpertRuntime.snapshot() -> dict with the keys of policy.wire.ExpertStats
+    ExpertRuntime.reset_window()
+    ExpertRuntime.check_integrity(deep=False)          raises CacheIntegrityError
+    ExpertRuntime.inject_resize_fault("before_teardown" | "after_teardown" | None)
+
+``capacity`` is a number of slots (one expert each), from 1 to ``num_layers × num_experts``;
+:func:`capacity_for_fraction` converts a fraction. ``policy`` names an
+:class:`~moetray.policy.moe.expert_cache.ExpertCache` policy (None = the project default).
+``fetch_fraction`` turns on the hybrid backend (q*: fetch that share of each call's misses,
+compute the rest on the CPU); None reads this machine's bandwidth profile
+(``moetray bench bw``) and uses hybrid only where the profile recommends it. ``cpu_layers``
+(``"3,7,11"``, a count ``"4"`` or a fraction ``"0.25"``) runs those MoE layers' experts on the
+CPU. ``link_gbps`` throttles slot copies to that many GB/s (emulates a PCIe link on a
+machine without a GPU).
+
+Host memory: the store holds every expert once (``store.total_bytes``), packed from the
+memory-mapped safetensors one expert at a time; non-expert weights are read straight to the
+device. Nothing is ever materialised as a fused ``[E, …]`` stack.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetray.engine.experts.loader import (
+    LoaderError,
+    load_resident_model,
+    load_skeleton_and_store,
+    resolve_device,
+    resolve_dtype,
+)
+from moetray.engine.experts.runtime import (
+    IMPLEMENTATION_NAME,
+    ExpertRuntime,
+    ResizeFault,
+    attach,
+    moetray_experts_forward,
+    register,
+)
+from moetray.engine.experts.store import ExpertStore, ExpertStoreError
+
+__all__ = [
+    "IMPLEMENTATION_NAME",
+    "ExpertRuntime",
+    "ExpertStore",
+    "ExpertStoreError",
+    "LoaderError",
+    "OffloadedModel",
+    "ResizeFault",
+    "capacity_for_fraction",
+    "load_offloaded_model",
+    "load_resident_model",
+    "moetray_experts_forward",
+    "register",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OffloadedModel:
+    model: Any  # a transformers PreTrainedModel
+    runtime: ExpertRuntime
+    store: ExpertStore
+    device: torch.device
+    dtype: torch.dtype
+
+
+def capacity_for_fraction(fraction: float, num_layers: int, num_experts: int) -> int:
+    """Slots for ``fraction`` of all ``num_layers × num_experts`` experts (at least 1)."""
+    return max(1, round(fraction * num_layers * num_experts))
+
+
+def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
+                         dtype: torch.dtype | str | None = None, capacity: int,
+                         policy: str | None = None, fetch_fraction: float | None = None,
+                         cpu_layers: str | None = None, link_gbps: float | None = None,
+                         progress: Callable[[str, int, int | None], None] | None = None,
+                         allocate: Callable[..., torch.Tensor] | None = None) -> OffloadedModel:
+    """Load ``checkpoint_dir`` with its routed experts in the host store and ``capacity`` device slots.
+
+    ``progress(stage, done, total)`` reports loading. ``allocate(shape, dtype, device)``
+    replaces the slot pool's allocator (fault injection). Raises :class:`LoaderError`,
+    :class:`ExpertStoreError`, or the planner's ``CacheRefused`` for a bad capacity or
+    policy; nothing is left half-built.
+    """
+    from moetray.engine.experts.hybrid import resolve_cpu_layers, resolve_qstar, settle_host_banks
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(checkpoint_dir, dtype)
+    qstar = resolve_qstar(fetch_fraction, device=dev)
+    register()
+    model, store, modules = load_skeleton_and_store(checkpoint_dir, device=dev, dtype=dt,
+                                                    pin=False, progress=progress)
+    top_k = _top_k(model.config)
+    cpu = resolve_cpu_layers(cpu_layers, store.num_layers, bank_bytes=store.total_bytes)
+    residency = settle_host_banks(store.banks, cpu, dev)
+    runtime = ExpertRuntime(store, device=dev, capacity=capacity, top_k=top_k, policy=policy,
+                            qstar=qstar, cpu_layers=cpu, link_gbps=link_gbps, allocate=allocate)
+    runtime.host_residency = [None if c is None else c.value for c in residency.achieved_labels()]
+    attach(modules, runtime)
+    model.set_experts_implementation(IMPLEMENTATION_NAME)
+    return OffloadedModel(model=model, runtime=runtime, store=store, device=dev, dtype=dt)
+
+
+def _top_k(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise LoaderError("no_top_k", f"{type(config).__name__} names no experts-per-token count")

@@ -1,0 +1,240 @@
+"""Loading a checkpoint with its experts offloaded, or fully resident for comparison.
+
+:func:`load_offloaded_model` never materialises the routed experts on the device, nor as
+fused stacks anywhere: the model skeleton is built with every parameter on ``meta``
+(buffers real), the non-expert tensors are read from the safetensors files and assigned,
+and the expert tensors are read one expert at a time into the host store
+(:mod:`moetray.engine.experts.store`). The Experts modules keep no weight parameters at
+all (they are set to ``None``, so the stock implementation would fail loudly rather than
+compute from garbage); the registered ``"moetray"`` implementation computes from the slot
+pool and the store instead.
+
+Checkpoint keys are mapped to model keys with transformers' own renaming rules for the
+model (``get_model_conversion_mapping``: e.g. Mixtral's ``block_sparse_moe`` → ``mlp``),
+which is the only piece of transformers' loading internals used here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moetray.engine.experts.store import ExpertGeometry, ExpertStore, ExpertStoreError, StoreLayer
+
+__all__ = [
+    "LoaderError",
+    "build_skeleton",
+    "checkpoint_files",
+    "expert_modules",
+    "load_resident_model",
+    "resolve_device",
+    "resolve_dtype",
+]
+
+log = logging.getLogger(__name__)
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class LoaderError(RuntimeError):
+    """A checkpoint folder that cannot be loaded; ``kind`` names why (snake_case)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(checkpoint_dir: str | Path, dtype: torch.dtype | str | None) -> torch.dtype:
+    """``dtype`` itself, or the config's ``dtype`` / ``torch_dtype``, or float32 when it names none."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype != "auto":
+        return getattr(torch, dtype)
+    cfg = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    named = cfg.get("dtype") or cfg.get("torch_dtype")
+    return getattr(torch, named) if isinstance(named, str) and hasattr(torch, named) else torch.float32
+
+
+def checkpoint_files(checkpoint_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder (from its index when it has one)."""
+    root = Path(checkpoint_dir)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [root / n for n in names]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise LoaderError("no_safetensors", f"{root} holds no .safetensors files")
+    return files
+
+
+def expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The Experts modules transformers' experts interface dispatches, in layer order."""
+    found = [(name, mod) for name, mod in model.named_modules()
+             if hasattr(mod, "_is_expert_parallel") and hasattr(mod, "is_concatenated")
+             and hasattr(mod, "num_experts")]
+
+    def layer_no(item):
+        m = _LAYER_RE.search(item[0] + ".")
+        return int(m.group(1)) if m else -1
+
+    return sorted(found, key=layer_no)
+
+
+def build_skeleton(checkpoint_dir: str | Path, dtype: torch.dtype):
+    """The model with every parameter on ``meta`` and its buffers real (on the CPU)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint_dir)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def _key_renamer(model: torch.nn.Module) -> Callable[[str], str]:
+    """checkpoint key → model key, by transformers' renaming rules for this model."""
+    meta_sd = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # pragma: no cover - older transformers: plain names only
+        return lambda key: key
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+
+    def rename(key: str) -> str:
+        renamed, _ = rename_source_key(key, renamings, [], prefix, meta_sd)
+        if renamed not in meta_sd and key in meta_sd:
+            return key
+        return renamed
+
+    return rename
+
+
+def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
+                            pin: bool, progress: Callable[[str, int, int | None], None] | None = None):
+    """Build the model (non-expert weights on ``device``) and the host expert store.
+
+    Returns ``(model, store, layers)`` where ``layers`` are the Experts modules in MoE-layer
+    order. The Experts modules' weight parameters are set to ``None``. Raises
+    :class:`LoaderError` (``no_experts``, ``missing_weights``) or
+    :class:`~moetray.engine.experts.store.ExpertStoreError`.
+    """
+    from safetensors import safe_open
+
+    def report(stage: str, done: int, total: int | None) -> None:
+        if progress is not None:
+            progress(stage, done, total)
+
+    report("building model skeleton", 0, None)
+    model = build_skeleton(checkpoint_dir, dtype)
+    experts = expert_modules(model)
+    if not experts:
+        raise LoaderError("no_experts", f"{type(model).__name__} has no transformers Experts modules")
+    store_layers = [StoreLayer(index=i, module_name=name, num_experts=int(mod.num_experts),
+                               geometry=ExpertGeometry.from_module(mod))
+                    for i, (name, mod) in enumerate(experts)]
+    expert_param_keys = {f"{layer.module_name}.{seg.name}" for layer in store_layers
+                         for seg in layer.geometry.segments}
+
+    rename = _key_renamer(model)
+    files = checkpoint_files(checkpoint_dir)
+    entries: list[tuple[Path, str, str]] = []
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            entries += [(path, key, rename(key)) for key in fh.keys()]
+    claimed = ExpertStore.index(store_layers, entries)
+
+    # Non-expert tensors: read straight onto the device, cast to the parameter's dtype.
+    meta_sd = model.state_dict()
+    wanted: dict[Path, list[tuple[str, str]]] = {}
+    for path, key, model_key in entries:
+        if key in claimed:
+            continue
+        if model_key in meta_sd:
+            wanted.setdefault(path, []).append((key, model_key))
+        else:
+            log.debug("checkpoint tensor %s has no place in the model; ignored", key)
+    total = sum(len(v) for v in wanted.values())
+    done = 0
+    state: dict[str, torch.Tensor] = {}
+    load_device = "cpu" if device.type == "cpu" else str(device)
+    for path, pairs in wanted.items():
+        with safe_open(str(path), framework="pt", device=load_device) as fh:
+            for key, model_key in pairs:
+                target = meta_sd[model_key]
+                state[model_key] = fh.get_tensor(key).to(dtype=target.dtype)
+                done += 1
+        report("loading non-expert weights", done, total)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    del state
+    missing = set(result.missing_keys) - expert_param_keys
+    if getattr(model.config, "tie_word_embeddings", False) or getattr(
+            model.config.get_text_config(), "tie_word_embeddings", False):
+        model.tie_weights()
+    for _, mod in experts:
+        for seg in ExpertGeometry.from_module(mod).segments:
+            mod.register_parameter(seg.name, None)
+    still_meta = sorted(n for n, p in model.named_parameters() if p.device.type == "meta")
+    if still_meta:
+        raise LoaderError("missing_weights", f"checkpoint lacks {len(still_meta)} non-expert tensors, "
+                          f"e.g. {still_meta[:3]} (missing {sorted(missing)[:3]})")
+    model.to(device)
+    model.eval()
+
+    report("building expert store", 0, len(store_layers))
+    store = ExpertStore.build(store_layers, dtype=dtype, pin=pin,
+                              progress=lambda d, t: report("building expert store", d, t))
+    return model, store, [mod for _, mod in experts]
+
+
+def load_resident_model(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | str | None = None, experts_implementation: str = "eager"):
+    """The same checkpoint fully resident, with a stock experts implementation (for identity tests
+    and the benchmark's baseline). ``dtype=None`` follows the same rule as the offloaded loader."""
+    from transformers import AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint_dir, dtype=resolve_dtype(checkpoint_dir, dtype),
+        experts_implementation=experts_implementation)
+    model = model.to(dev).eval()
+    if dev.type == "cpu":
+        _own_aligned_storage(model)
+    return model
+
+
+def _own_aligned_storage(model: torch.nn.Module) -> None:
+    """Give every parameter that still points into a memory-mapped file its own allocation.
+
+    A tensor assigned straight from a safetensors mmap can sit at any byte offset; CPU GEMM
+    kernels take different (equally valid, differently rounded) paths for unaligned operands,
+    so the same weights would give a different last bit depending only on how the file was
+    laid out. Copying fixes the reference to the layout-independent result.
+    """
+    copies: dict[int, torch.nn.Parameter] = {}  # keeps tied parameters tied
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.data_ptr() % 64 == 0:
+                    continue
+                if id(param) not in copies:
+                    copies[id(param)] = torch.nn.Parameter(param.detach().clone(),
+                                                           requires_grad=param.requires_grad)
+                module._parameters[name] = copies[id(param)]
+
+
+__all__ += ["ExpertStoreError", "load_skeleton_and_store"]

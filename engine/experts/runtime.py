@@ -1,0 +1,420 @@
+"""The offloading experts runtime: plan, copy, compute, count, once per MoE layer call.
+
+:func:`moetray_experts_forward` is registered in transformers' experts interface as
+``"moetray"`` (:func:`register`) and selected with
+``model.set_experts_implementation("moetray")``; transformers calls it with the routing
+already computed, from ``generate`` and from continuous batching alike. For each call it:
+
+1. lists the distinct routed experts exactly as the stock eager loop does (ascending ids);
+2. asks :class:`~moetray.policy.moe.qstar.QStarPolicy` how many of this call's misses to
+   fetch (hybrid backend only) and :meth:`ExpertCache.ensure
+   <moetray.policy.moe.expert_cache.ExpertCache.ensure>` where each routed expert is computed;
+3. has :class:`~moetray.policy.moe.expert_slots.ExpertSlots` copy the misses from the host
+   store into the slot pool (validated whole before any write);
+4. computes every routed expert in ascending id order with the eager implementation's own
+   op sequence (``linear`` → gate → ``linear`` → × routing weight → ``index_add_``), from
+   its slot, or from the host store when the plan sent it to the CPU;
+5. records per-layer hits, misses and bytes moved over a sliding window and in total.
+
+In fp32 the output is bit-identical to the stock ``"eager"`` implementation with every expert
+resident, at any capacity: the same tensors meet the same kernels in the same order; only
+where the bytes were read from differs. (On CUDA, an expert the plan sends to the CPU is
+computed by the CPU's kernels and is then only close, not bit-equal.)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moetray.engine.experts.slots import LinkThrottle, SlotPool
+from moetray.engine.experts.store import ExpertStore, unpack_row
+from moetray.policy.moe.expert_cache import DEFAULT_POLICY, ExpertCache
+from moetray.policy.moe.expert_slots import ExpertSlots, SlotDeviceError
+
+__all__ = [
+    "IMPLEMENTATION_NAME",
+    "ExpertRuntime",
+    "ResizeFault",
+    "moetray_experts_forward",
+    "register",
+]
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATION_NAME = "moetray"
+"""The name this runtime is registered under in transformers' experts interface."""
+
+_RUNTIME_ATTR = "_moetray_runtime"
+_LAYER_ATTR = "_moetray_layer"
+
+
+class ResizeFault(RuntimeError):
+    """A resize that failed; ``kind`` is ``allocation_failed`` (before teardown, nothing
+    changed) or ``injected_after_teardown`` (a test fault; the runtime kept its old pool)."""
+
+    def __init__(self, kind: str, message: str, *, torn_down: bool):
+        super().__init__(message)
+        self.kind = kind
+        self.torn_down = torn_down
+
+
+class ExpertRuntime:
+    """One model's offloaded experts: host store, slot pool, planner, executor and statistics.
+
+    Built by :func:`moetray.engine.experts.load_offloaded_model`. Thread-safety: one forward
+    at a time (the engine's batching loop); :meth:`snapshot` may be called from another
+    thread and reads a consistent copy under the runtime's lock.
+    """
+
+    def __init__(self, store: ExpertStore, *, device: torch.device, capacity: int, top_k: int,
+                 policy: str | None = None, qstar: Any = None, cpu_layers: frozenset[int] = frozenset(),
+                 link_gbps: float | None = None, window_steps: int = 64,
+                 allocate: Callable[..., torch.Tensor] | None = None):
+        self.store = store
+        self.device = torch.device(device)
+        self.top_k = int(top_k)
+        self.num_layers = store.num_layers
+        self.num_experts = store.num_experts
+        self.geometry = store.layers[0].geometry
+        self.policy = policy or DEFAULT_POLICY
+        self.qstar = qstar
+        self.cpu_layers = frozenset(cpu_layers)
+        self.throttle = LinkThrottle(link_gbps) if link_gbps else None
+        self._allocate = allocate
+        self.cache = ExpertCache(self.num_layers, self.num_experts, capacity, policy=self.policy)
+        self.pool = SlotPool(capacity, store.row_numel, store.dtype, self.device,
+                             throttle=self.throttle, allocate=allocate)
+        self.slot_device = _TorchSlotDevice(self.pool)
+        self.slots = ExpertSlots(self.slot_device, store)
+        self._lock = threading.RLock()
+        self.window_steps = window_steps
+        self._window: list[deque[tuple[int, int, int]]] = [deque(maxlen=window_steps)
+                                                            for _ in range(self.num_layers)]
+        self._window_tokens: deque[int] = deque(maxlen=window_steps)
+        self.total_bytes = 0
+        self.total_tokens = 0
+        self.calls = 0
+        self.trace: list[tuple[int, tuple[int, ...]]] | None = None
+        self.host_residency: list[str | None] = [None] * self.num_layers  # set by the loader
+        self._fault: str | None = None
+
+    # --- geometry ------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Device bytes one slot holds (one packed expert)."""
+        return self.store.row_bytes
+
+    @property
+    def backend(self) -> str:
+        """``"hybrid"`` when q* sends a share of misses to the CPU, else ``"offload"``."""
+        return "hybrid" if self.qstar is not None else "offload"
+
+    @property
+    def fetch_fraction(self) -> float | None:
+        return None if self.qstar is None else getattr(self.qstar, "fraction", None)
+
+    # --- the forward ---------------------------------------------------------------------
+
+    def forward(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,
+                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Compute one MoE layer call; see the module docstring for the steps."""
+        num_experts = self.num_experts
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        routed = [e for e in expert_hit[:, 0].tolist() if e < num_experts]
+
+        with self._lock:
+            plan = self._plan(layer, routed)
+            try:
+                report = self.slots.apply(plan)
+            except SlotDeviceError as exc:
+                for slot in exc.unknown_slots:
+                    self.cache.forget_slot(slot)
+                    self.slots.forget(slot)
+                raise
+            self._record(layer, plan, report.bytes, hidden_states.shape[0])
+
+        # CPU work first when the device is not the CPU, so it overlaps the async copies.
+        on_cpu: dict[int, torch.Tensor] = {}
+        if self.device.type != "cpu":
+            for expert, slot in zip(routed, plan.slots, strict=True):
+                if slot is None:
+                    top_k_pos, token_idx = torch.where(expert_mask[expert])
+                    on_cpu[expert] = self._expert(module, self.store.weights(layer, expert),
+                                                  hidden_states[token_idx].cpu(),
+                                                  top_k_weights[token_idx, top_k_pos, None].cpu())
+        for expert, slot in zip(routed, plan.slots, strict=True):
+            top_k_pos, token_idx = torch.where(expert_mask[expert])
+            if expert in on_cpu:
+                current = on_cpu[expert].to(hidden_states.device)
+            else:
+                weights = (self.store.weights(layer, expert) if slot is None
+                           else unpack_row(self.pool.rows[slot], self.geometry))
+                current = self._expert(module, weights, hidden_states[token_idx],
+                                       top_k_weights[token_idx, top_k_pos, None])
+            final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+    def _plan(self, layer: int, routed: list[int]):
+        fetch_limit: int | Callable[[int], int] | None = None
+        if layer in self.cpu_layers:
+            fetch_limit = 0  # a CPU layer: every miss is computed from host memory
+        elif self.qstar is not None:
+            fetch_limit = self.qstar.fetch_count  # q*: fetch this share of the call's misses
+        if self.trace is not None:
+            self.trace.append((layer, tuple(routed)))
+        return self.cache.ensure(layer, routed, fetch_limit=fetch_limit)
+
+    def _expert(self, module: torch.nn.Module, w: dict[str, torch.Tensor], current_state: torch.Tensor,
+                routing_weight: torch.Tensor) -> torch.Tensor:
+        """One expert on its tokens, in the stock eager implementation's op order."""
+        geo = self.geometry
+        if geo.has_gate:
+            proj = _linear(current_state, w["gate_up_proj"], w.get("gate_up_proj_bias"), geo.is_transposed)
+            hidden = module._apply_gate(proj)  # the default: chunk(2) → act(gate) * up, as eager
+        else:
+            hidden = module.act_fn(_linear(current_state, w["up_proj"], w.get("up_proj_bias"),
+                                           geo.is_transposed))
+        hidden = _linear(hidden, w["down_proj"], w.get("down_proj_bias"), geo.is_transposed)
+        if getattr(module, "has_post_expert_norm", False):
+            hidden = module.post_expert_norm(hidden)
+        return hidden * routing_weight
+
+    def _record(self, layer: int, plan, nbytes: int, tokens: int) -> None:
+        self._window[layer].append((plan.hits, plan.misses, nbytes))
+        self.total_bytes += nbytes
+        self.calls += 1
+        if layer == 0:
+            self._window_tokens.append(tokens)
+            self.total_tokens += tokens
+
+    # --- telemetry -------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The telemetry ``experts`` object: the keys of ``policy.wire.ExpertStats``.
+
+        Mutates nothing. Window figures cover each layer's last ``window_steps`` calls;
+        ``hit_rate`` and ``bytes_per_token`` are None before any routing.
+        """
+        with self._lock:
+            per_layer = self.cache.per_layer_stats()
+            window_hits = [sum(h for h, _, _ in w) for w in self._window]
+            window_misses = [sum(m for _, m, _ in w) for w in self._window]
+            window_bytes = [sum(b for _, _, b in w) for w in self._window]
+            routed = sum(window_hits) + sum(window_misses)
+            tokens = sum(self._window_tokens)
+            return {
+                "residency": self.cache.residency_map(),
+                "recency": self.cache.recency_map(),
+                "window_hits": window_hits,
+                "window_misses": window_misses,
+                "window_bytes": window_bytes,
+                "total_hits": sum(s.hits for s in per_layer),
+                "total_misses": sum(s.misses for s in per_layer),
+                "total_bytes": self.total_bytes,
+                "hit_rate": sum(window_hits) / routed if routed else None,
+                "bytes_per_token": sum(window_bytes) / tokens if tokens else None,
+                "backend": self.backend,
+                "fetch_fraction": self.fetch_fraction,
+            }
+
+    def reset_window(self) -> None:
+        """Empty the sliding window (totals, residency and recency are kept)."""
+        with self._lock:
+            for w in self._window:
+                w.clear()
+            self._window_tokens.clear()
+
+    def start_trace(self) -> None:
+        """Record ``(layer, routed expert ids)`` for every call from now on."""
+        self.trace = []
+
+    def stop_trace(self) -> list[tuple[int, tuple[int, ...]]]:
+        trace, self.trace = self.trace or [], None
+        return trace
+
+    # --- resize and integrity ------------------------------------------------------------
+
+    def inject_resize_fault(self, stage: str | None) -> None:
+        """Make the next :meth:`resize` fail at ``stage`` (``"before_teardown"``: the allocation
+        fails; ``"after_teardown"``: it fails right after ``mark_teardown``); None clears it."""
+        if stage not in (None, "before_teardown", "after_teardown"):
+            raise ValueError(f"unknown fault stage {stage!r}")
+        self._fault = stage
+
+    def resize(self, capacity: int, mark_teardown: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Change the slot pool to ``capacity`` slots, keeping the hottest experts resident.
+
+        Order: validate; allocate the new pool (an allocation failure raises
+        :class:`ResizeFault` ``allocation_failed`` before anything changed); call
+        ``mark_teardown()``; let the planner decide what stays (``ExpertCache.resize``); move
+        the survivors and swap pools (``ExpertSlots.apply_resize``). The old pool is freed
+        only after the swap. Returns ``{"old_capacity", "capacity", "kept", "dropped",
+        "moved"}``. Refuses ``below_floor`` (from the planner) before any change; the same
+        capacity is a no-op that does not call ``mark_teardown``.
+        """
+        from moetray.policy.moe.expert_cache import CacheRefused
+
+        with self._lock:
+            old = self.cache.capacity
+            if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+                raise CacheRefused("below_floor", f"capacity {capacity} < 1 slot", capacity=capacity, floor=1)
+            if capacity == old:
+                return self.keep_capacity()
+            fault, self._fault = self._fault, None
+            try:
+                if fault == "before_teardown":
+                    raise RuntimeError("injected allocation failure")
+                self.slot_device.reserve(capacity)
+            except Exception as exc:
+                raise ResizeFault("allocation_failed", f"allocating {capacity} slots failed: {exc}",
+                                  torn_down=False) from exc
+            try:
+                if mark_teardown is not None:
+                    mark_teardown()
+                if fault == "after_teardown":
+                    raise ResizeFault("injected_after_teardown",
+                                      "injected failure after teardown; the old pool was kept",
+                                      torn_down=True)
+            except BaseException:
+                self.slot_device.release_reserved()
+                raise
+            plan = self.cache.resize(capacity)
+            try:
+                self.slots.apply_resize(plan)
+            except SlotDeviceError as exc:
+                for slot in exc.unknown_slots:
+                    self.cache.forget_slot(slot)
+                    self.slots.forget(slot)
+                raise
+            return {"old_capacity": old, "capacity": capacity, "kept": self.cache.resident_count,
+                    "dropped": len(plan.dropped), "moved": len(plan.moves)}
+
+    def keep_capacity(self) -> dict[str, Any]:
+        """The deliberate no-op of :meth:`resize` at the current size."""
+        return {"old_capacity": self.capacity, "capacity": self.capacity,
+                "kept": self.cache.resident_count, "dropped": 0, "moved": 0}
+
+    def check_integrity(self, deep: bool = False) -> None:
+        """Raise when the planner and the slot pool disagree.
+
+        Checks the planner's own invariants, that the executor's record of each slot's bytes
+        matches the planner's occupant for every occupied slot, that no slot is unknown and
+        that the pool has ``capacity`` rows. ``deep`` also compares each occupied slot's bytes
+        with the host store's row. Mutates nothing.
+        """
+        from moetray.policy.moe.expert_cache import CacheIntegrityError
+
+        with self._lock:
+            self.cache.check_integrity()
+            if self.pool.capacity != self.cache.capacity or self.slots.slot_count != self.cache.capacity:
+                raise CacheIntegrityError(f"planner has {self.cache.capacity} slots, pool "
+                                          f"{self.pool.capacity}, executor {self.slots.slot_count}")
+            bad = self.slots.disagreements(self.cache.occupant)
+            if bad:
+                raise CacheIntegrityError(f"slots {bad[:8]} hold other bytes than the planner thinks "
+                                          f"({len(bad)} in all)")
+            unknown = self.slots.unknown_slots()
+            if unknown:
+                raise CacheIntegrityError(f"slots {unknown[:8]} hold unknown bytes")
+            if deep:
+                for slot in range(self.cache.capacity):
+                    owner = self.cache.occupant(slot)
+                    if owner is not None and not torch.equal(
+                            self.pool.rows[slot].cpu(), self.store.row(*owner).cpu()):
+                        raise CacheIntegrityError(f"slot {slot} bytes differ from expert {owner}'s row")
+
+
+class _TorchSlotDevice:
+    """The :class:`~moetray.policy.moe.expert_slots.SlotDevice` protocol over a :class:`SlotPool`.
+
+    ``reserve(n)`` pre-allocates the next pool so that :meth:`resize` (called by the executor
+    after the planner has committed to the new size) cannot fail for lack of memory.
+    """
+
+    def __init__(self, pool: SlotPool):
+        self.pool = pool
+        self._reserved: torch.Tensor | None = None
+
+    @property
+    def slot_count(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def row_bytes(self) -> int:
+        return self.pool.row_bytes
+
+    def write_slot(self, slot: int, row: torch.Tensor) -> None:
+        self.pool.write(slot, row)
+
+    def copy_slot(self, dst: int, src: int) -> None:
+        self.pool.rows[dst].copy_(self.pool.rows[src])
+
+    def reserve(self, slot_count: int) -> None:
+        self._reserved = self.pool.allocate_rows(slot_count)
+
+    def release_reserved(self) -> None:
+        self._reserved = None
+
+    def resize(self, slot_count: int) -> None:
+        new = self._reserved if self._reserved is not None and self._reserved.shape[0] == slot_count \
+            else self.pool.allocate_rows(slot_count)
+        self._reserved = None
+        keep = min(slot_count, self.pool.capacity)
+        if keep:
+            new[:keep].copy_(self.pool.rows[:keep])
+        self.pool.replace_rows(new)
+
+    def flush(self) -> None:
+        """Copies are ordered before later kernels on the same CUDA stream; on the CPU every
+        copy was a synchronous memcpy. Either way nothing needs waiting for here."""
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            transposed: bool) -> torch.Tensor:
+    if transposed:
+        out = x @ weight
+        return out + bias if bias is not None else out
+    return F.linear(x, weight, bias)
+
+
+# --- the registered experts implementation ----------------------------------------------------
+
+
+def moetray_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers experts-interface entry point: ``[T, H], [T, k], [T, k] → [T, H]``."""
+    runtime: ExpertRuntime | None = getattr(self, _RUNTIME_ATTR, None)
+    if runtime is None:
+        raise RuntimeError(f"{type(self).__name__} is not attached to a moetray ExpertRuntime; "
+                           "load the model with moetray.engine.experts.load_offloaded_model")
+    return runtime.forward(self, getattr(self, _LAYER_ATTR), hidden_states, top_k_index, top_k_weights)
+
+
+def register() -> None:
+    """Register :func:`moetray_experts_forward` as ``"moetray"`` (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if ALL_EXPERTS_FUNCTIONS.get(IMPLEMENTATION_NAME) is not moetray_experts_forward:
+        ExpertsInterface.register(IMPLEMENTATION_NAME, moetray_experts_forward)
+
+
+def attach(modules: list[torch.nn.Module], runtime: ExpertRuntime) -> None:
+    """Point each Experts module (in MoE-layer order) at ``runtime``."""
+    for layer, module in enumerate(modules):
+        setattr(module, _RUNTIME_ATTR, runtime)
+        setattr(module, _LAYER_ATTR, layer)

@@ -1,0 +1,126 @@
+"""The device tier: one tensor of ``capacity`` expert rows, and the link that fills it.
+
+:class:`SlotPool` is the device side of the expert cache: ``rows[slot]`` holds one packed
+expert (the same row layout as the host store). It moves bytes only when told to; which
+expert goes to which slot is decided by :mod:`moetray.policy.moe.expert_cache`, and the
+record of which expert's bytes each slot holds is kept by the plan executor,
+:mod:`moetray.policy.moe.expert_slots`.
+
+On a CPU-only machine the "device" is host memory and a copy is a real ``memcpy``; an
+optional :class:`LinkThrottle` holds each copy to a given GB/s so that timings emulate a
+PCIe link. On CUDA the copy is an asynchronous host→device DMA from pinned memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["LinkThrottle", "SlotPool"]
+
+
+class LinkThrottle:
+    """A token bucket that holds transfers to ``gbps`` × 10⁹ bytes/s on average.
+
+    ``transfer(n)`` books ``n`` bytes on the link: the link is busy until
+    ``max(now, busy_until) + n / rate``. The caller sleeps only once the booked time runs
+    more than ``slack_s`` ahead of the clock, so many tiny copies are not each rounded up
+    to the OS's sleep granularity; the long-run rate is exact. Clock and sleep are
+    injectable for tests.
+    """
+
+    def __init__(self, gbps: float, *, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep, slack_s: float = 2e-4):
+        if not gbps > 0:
+            raise ValueError(f"link rate must be positive, got {gbps!r} GB/s")
+        self.gbps = float(gbps)
+        self.rate = self.gbps * 1e9
+        self._clock = clock
+        self._sleep = sleep
+        self.slack_s = slack_s
+        self.busy_until = 0.0
+        self.booked_bytes = 0
+        self.slept_s = 0.0
+
+    def transfer(self, nbytes: int) -> None:
+        """Book ``nbytes`` on the link and sleep while the booking runs ahead of the clock."""
+        now = self._clock()
+        start = max(now, self.busy_until)
+        self.busy_until = start + nbytes / self.rate
+        self.booked_bytes += nbytes
+        ahead = self.busy_until - now
+        if ahead > self.slack_s:
+            self._sleep(ahead)
+            self.slept_s += ahead
+
+    def drain(self) -> None:
+        """Wait until every booked byte has "arrived" (end of a timed run)."""
+        ahead = self.busy_until - self._clock()
+        if ahead > 0:
+            self._sleep(ahead)
+            self.slept_s += ahead
+
+
+class SlotPool:
+    """``capacity`` packed expert rows on ``device``.
+
+    ``allocate(shape, dtype, device)`` creates row tensors (injectable so a test or the
+    rebuild transaction's fault hooks can make it fail). A pool that exists is fully
+    allocated; :meth:`allocate_rows` + :meth:`replace_rows` let a resize allocate the new
+    rows before anything is torn down.
+    """
+
+    def __init__(self, capacity: int, row_numel: int, dtype: torch.dtype, device: torch.device | str,
+                 *, throttle: LinkThrottle | None = None,
+                 allocate: Callable[..., torch.Tensor] | None = None):
+        if capacity < 0:
+            raise ValueError(f"capacity must be ≥ 0, got {capacity}")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.row_numel = row_numel
+        self.throttle = throttle
+        self._allocate = allocate or _default_allocate
+        self.rows = self.allocate_rows(capacity)
+        self.copies = 0
+        self.bytes_copied = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_numel * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.row_bytes
+
+    def allocate_rows(self, capacity: int) -> torch.Tensor:
+        """A new, unfilled ``[capacity, row_numel]`` tensor on the pool's device (may raise)."""
+        rows = self._allocate((capacity, self.row_numel), self.dtype, self.device)
+        if tuple(rows.shape) != (capacity, self.row_numel) or rows.dtype != self.dtype:
+            raise ValueError(f"allocator returned {tuple(rows.shape)} {rows.dtype}, wanted "
+                             f"{(capacity, self.row_numel)} {self.dtype}")
+        return rows
+
+    def replace_rows(self, rows: torch.Tensor) -> None:
+        """Swap in ``rows`` (from :meth:`allocate_rows`); the old tensor is freed when unreferenced."""
+        self.rows = rows
+
+    def write(self, slot: int, row: torch.Tensor) -> None:
+        """Copy one packed host row into ``slot``, through the throttle when one is set."""
+        if row.numel() != self.row_numel or row.dtype != self.dtype:
+            raise ValueError(f"row of {row.numel()} × {row.dtype} does not fit a slot of "
+                             f"{self.row_numel} × {self.dtype}")
+        if self.throttle is not None:
+            self.throttle.transfer(self.row_bytes)
+        self.rows[slot].copy_(row, non_blocking=self.device.type == "cuda" and row.is_pinned())
+        self.copies += 1
+        self.bytes_copied += self.row_bytes
+
+
+def _default_allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
