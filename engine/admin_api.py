@@ -1,0 +1,97 @@
+"""The admin routes: health, status, events, requests, cancel, rebuild and prepare-stop.
+
+``/health`` needs no token (the tray polls it while the model loads); every ``/admin/*``
+route needs the admin bearer token (checked by the server's middleware). Shapes follow
+``policy.wire``: the status snapshot is ``StatusSnapshot``, a rebuild reply
+``RebuildResult``, refusals ``error_body``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from moetray.engine.core import Engine
+from moetray.engine.errors import ApiError
+from moetray.engine.rebuild import run_rebuild
+from moetray.engine.stop import prepare_stop
+from moetray.policy.outbox import FileOutbox
+from moetray.policy.wire import EVENTS_INTERVAL_S, SNAPSHOT_EVENT
+
+
+class RebuildBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    moe_slots: StrictInt | None = Field(default=None, ge=0)
+    kv_tokens: StrictInt | None = Field(default=None, ge=0)
+    idle_timeout_s: float | None = Field(default=None, ge=0.0, le=3600.0)
+
+
+class StopBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    drain_timeout_s: float | None = Field(default=None, ge=0.0, le=3600.0)
+    abort_timeout_s: float | None = Field(default=None, ge=0.0, le=3600.0)
+
+
+def build_router(
+    engine: Engine, *, outbox: FileOutbox | None = None, events_interval_s: float = EVENTS_INTERVAL_S
+) -> APIRouter:
+    router = APIRouter()
+    from moetray.engine.stop import default_outbox_dir
+
+    box = outbox or FileOutbox(engine.options.outbox_dir or default_outbox_dir())
+
+    @router.get("/health")
+    async def health() -> dict[str, Any]:
+        return engine.health()
+
+    @router.get("/admin/status")
+    async def status() -> dict[str, Any]:
+        return engine.snapshot()
+
+    @router.get("/admin/events")
+    async def events(request: Request):
+        async def stream():
+            while True:
+                payload = json.dumps(engine.snapshot(), separators=(",", ":"))
+                yield f"event: {SNAPSHOT_EVENT}\ndata: {payload}\n\n".encode()
+                if await request.is_disconnected():
+                    return
+                await asyncio.sleep(events_interval_s)
+
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    @router.get("/admin/requests")
+    async def requests() -> dict[str, Any]:
+        return {"requests": engine.active_requests()}
+
+    @router.post("/admin/requests/{request_id}/cancel")
+    async def cancel(request_id: str) -> dict[str, Any]:
+        if not engine.cancel(request_id):
+            raise ApiError("not_found", f"no request {request_id!r} is in flight")
+        return {"id": request_id, "cancelled": True}
+
+    @router.post("/admin/cache/rebuild")
+    async def rebuild(body: RebuildBody):
+        status_code, payload = await run_rebuild(
+            engine, body.model_dump(exclude_none=True), idle_timeout_s=body.idle_timeout_s
+        )
+        headers = None
+        if status_code in (409, 503) and payload.get("error", {}).get("retry") == "now":
+            headers = {"Retry-After": "1"}
+        return JSONResponse(payload, status_code=status_code, headers=headers)
+
+    @router.post("/admin/prepare-stop")
+    async def stop(body: StopBody | None = None) -> dict[str, Any]:
+        body = body or StopBody()
+        return await prepare_stop(
+            engine, drain_timeout_s=body.drain_timeout_s, abort_timeout_s=body.abort_timeout_s, outbox=box
+        )
+
+    return router

@@ -1,0 +1,304 @@
+"""From chat messages to prompt ids, and from sampled ids to streamable text, reasoning and tool calls.
+
+``ChatSupport`` is built once per loaded model by *probing* its tokenizer's chat template:
+which tool-call and reasoning markup it renders (``policy.parser`` formats, inferred from
+the checkpoint's identity when the template says nothing), the string that ends an
+assistant turn (``policy.turn``) and the reasoning-effort controls it consumes
+(``policy.effort``), and the single token that opens a tool call (``policy.anchor``).
+
+``TextStream`` is one response's text pipeline: ``policy.detokenize`` turns ids into text
+that is safe to stream (no half characters, no partial stop strings, no special tokens),
+``ReasoningParser`` splits reasoning from the answer and ``ToolCallParser`` splits the
+answer from tool calls. Every piece it returns is final: SSE cannot take text back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from moetray.policy.detokenize import IncrementalDetokenizer
+from moetray.policy.parser import (
+    ReasoningFormat,
+    ReasoningParser,
+    Text,
+    ToolCallFormat,
+    ToolCallParser,
+    infer_reasoning_format,
+    infer_tool_call_format,
+    prompt_opens_reasoning,
+)
+
+log = logging.getLogger("moetray.engine.chat")
+
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_tool",
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}
+
+
+def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages as templates expect them: text parts joined, tool-call arguments as objects."""
+    out = []
+    for message in messages:
+        m = dict(message)
+        content = m.get("content")
+        if isinstance(content, list):
+            m["content"] = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+        elif content is None:
+            m["content"] = ""
+        calls = m.get("tool_calls")
+        if calls:
+            fixed = []
+            for call in calls:
+                call = dict(call)
+                fn = dict(call.get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        fn["arguments"] = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError:
+                        pass
+                call["function"] = fn
+                fixed.append(call)
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out
+
+
+@dataclass
+class ChatDelta:
+    """What one push made final: reasoning text, answer text and tool-call events."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_events: list[Any] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_events)
+
+
+class TextStream:
+    """One response's text pipeline (see the module docstring). Not thread-safe; one per request."""
+
+    def __init__(
+        self,
+        support: ChatSupport,
+        *,
+        prompt_ids: Sequence[int],
+        stops: Sequence[str],
+        reasoning: ReasoningFormat | None,
+        force_reasoning: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        tool_format: ToolCallFormat | None,
+    ) -> None:
+        tok = support.tokenizer
+        self.detok = IncrementalDetokenizer(
+            lambda ids: tok.decode(list(ids), skip_special_tokens=False),
+            stop=stops,
+            special_ids=support.special_ids,
+            prompt_ids=prompt_ids,
+        )
+        self.reasoning = None
+        if reasoning is not None:
+            self.reasoning = ReasoningParser(
+                reasoning, force_reasoning, tool_format=tool_format if tools else None
+            )
+        self.tools = ToolCallParser(tool_format, tools) if tools and tool_format is not None else None
+        self.text_out: list[str] = []
+        self.reasoning_out: list[str] = []
+
+    @property
+    def stopped(self) -> str | None:
+        """The stop string that ended the response, or None."""
+        return self.detok.stopped
+
+    @property
+    def finished(self) -> bool:
+        return self.detok.finished
+
+    def push(self, token_ids: Sequence[int]) -> ChatDelta:
+        """Feed newly sampled ids; return what became final. Stops early at a matched stop string."""
+        text = []
+        for token in token_ids:
+            if self.detok.finished:
+                break
+            text.append(self.detok.push(token))
+        return self._route("".join(text), final=False)
+
+    def finish(self) -> ChatDelta:
+        """The end of the response: release everything held back."""
+        text = "" if self.detok.finished else self.detok.finish()
+        return self._route(text, final=True)
+
+    def _route(self, text: str, *, final: bool) -> ChatDelta:
+        delta = ChatDelta()
+        if self.reasoning is not None:
+            r = self.reasoning.push(text) if text else None
+            parts = [r] if r is not None else []
+            if final:
+                parts.append(self.reasoning.flush())
+            delta.reasoning = "".join(p.reasoning for p in parts)
+            content = "".join(p.content for p in parts)
+        else:
+            content = text
+        if self.tools is not None:
+            events = self.tools.push(content) if content else []
+            if final:
+                events += self.tools.flush()
+            delta.content = "".join(e.text for e in events if isinstance(e, Text))
+            delta.tool_events = [e for e in events if not isinstance(e, Text)]
+        else:
+            delta.content = content
+        self.text_out.append(delta.content)
+        self.reasoning_out.append(delta.reasoning)
+        return delta
+
+
+@dataclass
+class ChatSupport:
+    """What this checkpoint's chat template speaks, learned by rendering it."""
+
+    tokenizer: Any
+    reasoning_format: ReasoningFormat | None
+    tool_format: ToolCallFormat | None
+    end_of_turn: str | None = None
+    effort: Any = None  # policy.effort probe result, when the template consumes an effort control
+    anchor_token: int | None = None
+    anchor_state_factory: Any = None
+    special_ids: frozenset[int] = frozenset()
+    eos_texts: frozenset[str] = frozenset()
+
+    @classmethod
+    def probe(cls, tokenizer, info, *, eos_ids: Sequence[int] = ()) -> ChatSupport:
+        """Learn the template's formats by rendering; fall back to the checkpoint's identity."""
+        identity = " ".join(
+            str(x) for x in (info.model_id, info.architecture, info.sidecar.get("family", ""))
+        )
+        tool_format = _probe_tool_format(tokenizer) or infer_tool_call_format(identity)
+        if info.sidecar.get("tool_call_format"):
+            tool_format = ToolCallFormat.parse(info.sidecar["tool_call_format"])
+        reasoning = _probe_reasoning_format(tokenizer) or infer_reasoning_format(identity)
+        if info.sidecar.get("reasoning_format"):
+            reasoning = ReasoningFormat.parse(info.sidecar["reasoning_format"])
+        special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(eos_ids)
+        eos_texts = frozenset(tokenizer.convert_ids_to_tokens(list(eos_ids))) if eos_ids else frozenset()
+        support = cls(
+            tokenizer=tokenizer,
+            reasoning_format=reasoning,
+            tool_format=tool_format,
+            special_ids=frozenset(special),
+            eos_texts=eos_texts,
+        )
+        log.info("chat template: tools=%s reasoning=%s", tool_format, reasoning)
+        return support
+
+    # -- prompts --------------------------------------------------------------------------------
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """The chat template's text for ``messages`` (raises on a template error)."""
+        return self.tokenizer.apply_chat_template(
+            _normalize_messages(messages),
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
+
+    def template_kwargs(self, reasoning_effort: str | None) -> dict[str, Any]:
+        """Extra chat-template variables for a request (the effort control, when the template has one)."""
+        del reasoning_effort
+        return {}
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text; the template already placed any BOS it wants."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def stop_strings(self, requested: Sequence[str]) -> list[str]:
+        """The request's stops plus the probed end-of-turn marker (unless it is an EOS token)."""
+        stops = [s for s in requested if s]
+        if self.end_of_turn and self.end_of_turn not in self.eos_texts and self.end_of_turn not in stops:
+            stops.append(self.end_of_turn)
+        return stops
+
+    def text_stream(
+        self,
+        *,
+        prompt_ids: Sequence[int],
+        prompt_text: str | None,
+        stops: Sequence[str],
+        tools: Sequence[Mapping[str, Any]] | None,
+        chat: bool,
+    ) -> TextStream:
+        reasoning = self.reasoning_format if chat else None
+        force = bool(
+            reasoning is not None
+            and prompt_text is not None
+            and prompt_opens_reasoning(reasoning, prompt_text)
+        )
+        return TextStream(
+            self,
+            prompt_ids=prompt_ids,
+            stops=stops,
+            reasoning=reasoning,
+            force_reasoning=force,
+            tools=tools if chat else None,
+            tool_format=self.tool_format,
+        )
+
+
+def _render_safe(tokenizer, messages, **kwargs) -> str | None:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception:
+        return None
+
+
+def _probe_tool_format(tokenizer) -> ToolCallFormat | None:
+    """Which tool-call markup the template writes for an assistant tool call, if any."""
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "id": "call_0", "function": {"name": "probe_tool", "arguments": {"q": "x"}}}
+        ],
+    }
+    text = _render_safe(tokenizer, [{"role": "user", "content": "hi"}, call], tools=[_PROBE_TOOL])
+    if not text or "probe_tool" not in text:
+        return None
+    for fmt in ToolCallFormat:
+        opener = fmt.opener()
+        if opener and opener in text:
+            return fmt
+    return None
+
+
+def _probe_reasoning_format(tokenizer) -> ReasoningFormat | None:
+    """Which reasoning markup the template writes around an assistant's reasoning, if any."""
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ANSWER", "reasoning_content": "PONDER"},
+        {"role": "user", "content": "again"},
+    ]
+    text = _render_safe(tokenizer, messages)
+    if not text or "PONDER" not in text:
+        return None
+    for fmt in ReasoningFormat:
+        m = fmt.markers
+        if m.start and m.end and m.start in text and m.end in text:
+            return fmt
+    return None

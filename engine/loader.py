@@ -1,0 +1,227 @@
+"""What a checkpoint folder is, and loading it through the offloading experts runtime.
+
+``inspect_checkpoint`` reads only the config, the tokenizer and the optional ``moetray.json``
+sidecar (``label``, ``default_top_k``): enough to price the pools before any weight moves.
+``load_checkpoint`` then loads the model with its experts in the host store and a slot pool
+on the device (``moetray.engine.experts.load_offloaded_model``), and applies the chosen
+top-k. Progress is reported as ``(stage, done, total)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("moetray.engine.loader")
+
+SIDECAR = "moetray.json"
+Progress = Callable[[str, int, int | None], None]
+
+
+class CheckpointError(Exception):
+    """A folder that cannot be served; ``.kind`` names why (snake_case)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind = kind
+        super().__init__(message)
+
+
+def _first_int(obj: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    model_id: str
+    architecture: str
+    label: str
+    num_layers: int
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    default_top_k: int
+    expert_intermediate: int
+    hidden_size: int
+    context_length: int | None
+    sidecar: dict[str, Any] = field(default_factory=dict)
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Device bytes of one expert (gate, up and down projections) at ``dtype``."""
+        return 3 * self.hidden_size * self.expert_intermediate * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def max_moe_slots(self) -> int:
+        return self.moe_layers * self.num_experts
+
+
+def _moe_layer_count(text) -> int:
+    layers = text.num_hidden_layers
+    dense = set(getattr(text, "mlp_only_layers", None) or [])
+    step = getattr(text, "decoder_sparse_step", 1) or 1
+    first_dense = getattr(text, "first_k_dense_replace", 0) or 0
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0 and i >= first_dense)
+
+
+def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
+    """Reads a checkpoint folder's config and sidecar; loads no weights. Raises ``CheckpointError``."""
+    from transformers import AutoConfig
+
+    root = Path(path).expanduser().resolve()
+    if not (root / "config.json").is_file():
+        raise CheckpointError("not_a_checkpoint", f"{root} has no config.json")
+    try:
+        config = AutoConfig.from_pretrained(root)
+    except Exception as exc:
+        raise CheckpointError("unreadable_config", f"{root}/config.json: {exc}") from exc
+    text = config.get_text_config()
+    num_experts = _first_int(text, "num_experts", "num_local_experts", "n_routed_experts")
+    top_k = _first_int(text, "num_experts_per_tok", "moe_topk", "top_k")
+    if num_experts is None or top_k is None:
+        raise CheckpointError("not_moe", f"{root} is not a mixture-of-experts checkpoint (no expert count)")
+    inter = _first_int(text, "moe_intermediate_size", "intermediate_size")
+    sidecar: dict[str, Any] = {}
+    if (root / SIDECAR).is_file():
+        sidecar = json.loads((root / SIDECAR).read_text())
+    default_top_k = sidecar.get("default_top_k")
+    if not (isinstance(default_top_k, int) and 1 <= default_top_k <= num_experts):
+        default_top_k = top_k
+    arch = (config.architectures or [type(config).__name__])[0]
+    label = sidecar.get("label") or f"{arch} ({num_experts} experts, top-{default_top_k})"
+    return CheckpointInfo(
+        path=root,
+        model_id=sidecar.get("model_id") or root.name,
+        architecture=arch,
+        label=label,
+        num_layers=text.num_hidden_layers,
+        moe_layers=_moe_layer_count(text),
+        num_experts=num_experts,
+        top_k=top_k,
+        default_top_k=default_top_k,
+        expert_intermediate=inter,
+        hidden_size=text.hidden_size,
+        context_length=_first_int(text, "max_position_embeddings"),
+        sidecar=sidecar,
+    )
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` → the first CUDA device when there is one, else the CPU."""
+    if spec == "auto":
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckpointError("no_cuda", "--device cuda was asked for but no CUDA device is available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(spec: str, info: CheckpointInfo, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on the CPU (fast kernels, token identity), else the checkpoint's dtype."""
+    if spec != "auto":
+        return getattr(torch, spec)
+    if device.type == "cpu":
+        return torch.float32
+    cfg = json.loads((info.path / "config.json").read_text())
+    named = cfg.get("dtype") or cfg.get("torch_dtype")
+    return getattr(torch, named) if isinstance(named, str) and hasattr(torch, named) else torch.bfloat16
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    runtime: Any  # moetray.engine.experts.ExpertRuntime
+    tokenizer: Any
+    info: CheckpointInfo
+    device: torch.device
+    dtype: torch.dtype
+    top_k: int
+
+
+def apply_top_k(model, runtime, top_k: int) -> None:
+    """Route every token to ``top_k`` experts: the routers, the config and the runtime agree."""
+    text = model.config.get_text_config()
+    for name in ("num_experts_per_tok", "moe_topk"):
+        if hasattr(text, name):
+            setattr(text, name, top_k)
+    for module in model.modules():
+        if type(module).__name__.endswith("Router") and hasattr(module, "top_k"):
+            module.top_k = top_k
+    runtime.top_k = top_k
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_checkpoint(
+    info: CheckpointInfo,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    capacity: int,
+    top_k: int,
+    progress: Progress,
+    link_gbps: float | None = None,
+    policy: str | None = None,
+) -> LoadedModel:
+    """Loads the model with its experts offloaded (``capacity`` device slots) and applies ``top_k``."""
+    from moetray.engine.experts import load_offloaded_model
+
+    progress("loading tokenizer", 0, None)
+    tokenizer = load_tokenizer(info.path)
+    offloaded = load_offloaded_model(
+        info.path,
+        device=device,
+        dtype=dtype,
+        capacity=capacity,
+        policy=policy,
+        link_gbps=link_gbps,
+        progress=progress,
+    )
+    model = offloaded.model.eval()
+    if top_k != info.top_k:
+        apply_top_k(model, offloaded.runtime, top_k)
+    if model.generation_config is not None and tokenizer.eos_token_id is not None:
+        if model.generation_config.eos_token_id is None:
+            model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return LoadedModel(
+        model=model,
+        runtime=offloaded.runtime,
+        tokenizer=tokenizer,
+        info=info,
+        device=device,
+        dtype=dtype,
+        top_k=top_k,
+    )
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """Every id that ends generation: the generation config's EOS ids, then the tokenizer's."""
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    for value in eos if isinstance(eos, (list, tuple)) else [eos]:
+        if isinstance(value, int) and value >= 0 and value not in ids:
+            ids.append(value)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids)

@@ -1,0 +1,181 @@
+"""``moetray serve``: the engine process (HTTP server first, the model loads behind it).
+
+    moetray serve [--model DIR] [--host 127.0.0.1] [--port N] [--device auto|cpu|cuda]
+                  [--moe-capacity SLOTS|PCT%] [--kv-tokens N] [--budget-bytes N[K|M|G]] …
+
+With no ``--model`` the embedded demo model is built (first run) and served. The server
+comes up before the model loads, so ``GET /health`` reports load progress; the gate opens
+(``serving``) or latches (``failed``) when loading ends. A non-loopback ``--host`` is refused
+without an API key. The admin token comes from ``MOETRAY_ADMIN_TOKEN`` (the tray sets it) or
+is generated and written 0600 to the runtime directory, whose path is logged here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import socket
+import sys
+from pathlib import Path
+
+from moetray.engine.core import Engine, EngineOptions
+from moetray.engine.security import BindRefused, Credentials, HostPolicy, check_bind, load_credentials
+
+log = logging.getLogger("moetray.engine.serve")
+
+DEFAULT_PORT = 8765
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"2G"``, ``"512MiB"``, ``"1073741824"`` → bytes (binary multiples)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moetray serve", description="Serve a MoE checkpoint with an OpenAI API."
+    )
+    p.add_argument(
+        "--model", type=Path, default=None, help="checkpoint folder (default: the embedded demo model)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs --api-key)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (0: any free port)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the pools live")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--moe-capacity",
+        default=None,
+        help="expert slots on the device: a count, or a share of all experts like '50%%'",
+    )
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument(
+        "--budget-bytes",
+        type=parse_bytes,
+        default=None,
+        help="memory the two pools may use (default: measured on CUDA, 10%% of RAM on CPU)",
+    )
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument(
+        "--max-batch-tokens", type=int, default=256, help="tokens per forward step (prefill chunk)"
+    )
+    p.add_argument("--max-requests", type=int, default=32, help="requests per batch")
+    p.add_argument(
+        "--prefix-cache",
+        default="radix",
+        choices=["radix", "stock", "off"],
+        help="prefix reuse: radix-decided eviction (default), the substrate's stock ledger, or none",
+    )
+    p.add_argument("--top-k", type=int, default=None, help="experts per token (default: the checkpoint's)")
+    p.add_argument("--expert-policy", default=None, help="expert cache policy (default: the project's best)")
+    p.add_argument("--link-gbps", type=float, default=None, help="throttle expert copies to this many GB/s")
+    p.add_argument("--api-key", default=None, help="key /v1/* requires (also MOETRAY_API_KEY)")
+    p.add_argument(
+        "--allowed-host", action="append", default=[], help="extra accepted Host header (repeatable)"
+    )
+    p.add_argument("--outbox-dir", type=Path, default=None, help="where stop receipts are written")
+    p.add_argument(
+        "--rebuild-idle-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a re-split waits for running requests",
+    )
+    p.add_argument("--test-hooks", action="store_true", help="enable the forced-token test hook (tests only)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def moe_capacity(spec: str | None, model_dir: Path | None) -> int | None:
+    """``--moe-capacity``: a slot count, or ``N%`` of all experts (needs the config to count them)."""
+    if spec is None:
+        return None
+    spec = spec.strip()
+    if spec.endswith("%"):
+        from moetray.engine.loader import inspect_checkpoint
+
+        if model_dir is None:
+            raise SystemExit("--moe-capacity as a percentage needs --model")
+        info = inspect_checkpoint(model_dir)
+        return max(1, round(float(spec[:-1]) / 100.0 * info.max_moe_slots))
+    return int(spec)
+
+
+def options_from(args: argparse.Namespace) -> EngineOptions:
+    return EngineOptions(
+        model_dir=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        moe_capacity=moe_capacity(args.moe_capacity, args.model),
+        kv_tokens=args.kv_tokens,
+        budget_bytes=args.budget_bytes,
+        page_size=args.page_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_requests_per_batch=args.max_requests,
+        prefix_policy=args.prefix_cache,
+        top_k=args.top_k,
+        expert_policy=args.expert_policy,
+        link_gbps=args.link_gbps,
+        outbox_dir=args.outbox_dir,
+        rebuild_idle_timeout_s=args.rebuild_idle_timeout,
+        test_hooks=args.test_hooks,
+    )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket (so port 0 yields a real free port before the server starts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_server(engine: Engine, credentials: Credentials, hosts: HostPolicy, *, log_level: str = "info"):
+    """A uvicorn server for the engine's app (call ``.run(sockets=[sock])``)."""
+    import uvicorn
+
+    from moetray.engine.server import build_app
+
+    app = build_app(engine, credentials, hosts)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, timeout_keep_alive=30)
+    return uvicorn.Server(config)
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        check_bind(args.host, args.api_key or None)
+    except BindRefused as exc:
+        print(f"moetray serve: {exc}", file=sys.stderr)
+        return 2
+    options = options_from(args)
+    sock = bind_socket(args.host, args.port)
+    port = sock.getsockname()[1]
+    credentials = load_credentials(api_key=args.api_key, port=port)
+    if credentials.token_file is not None:
+        log.info("admin token written to %s (mode 0600)", credentials.token_file)
+    else:
+        log.info("admin token taken from the environment")
+    engine = Engine(options)
+    server = make_server(
+        engine,
+        credentials,
+        HostPolicy(frozenset(h.lower() for h in args.allowed_host)),
+        log_level=args.log_level,
+    )
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    log.info(
+        "moetray engine listening on http://%s:%d (model loads in the background; see /health)", shown, port
+    )
+    server.run(sockets=[sock])
+    return 0
