@@ -142,7 +142,9 @@ class ExpertRuntime:
             try:
                 report = self.slots.apply(plan)
             except SlotDeviceError as exc:
-                for slot in exc.unknown_slots:
+                # The written slots are unknown, the failing one too, and the plan's later
+                # copies never happened: the planner must forget every slot this plan filled.
+                for slot in {*exc.unknown_slots, *(s for s, _ in plan.copies)}:
                     self.cache.forget_slot(slot)
                     self.slots.forget(slot)
                 raise
