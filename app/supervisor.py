@@ -383,9 +383,10 @@ class EngineSupervisor(QObject):
         return code
 
     async def _reap(self, child: _Child) -> None:
-        for task in child.tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
+        others = [t for t in child.tasks if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
         if child.proc.stdout is not None:
             try:
                 asyncio.get_running_loop().remove_reader(child.proc.stdout.fileno())

@@ -13,8 +13,9 @@ Unknown numbers stay ``None`` all the way to the formatter, which draws "—".
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -184,6 +185,21 @@ class EngineModel(_Model):
         if changed:
             self.changed.emit()
         return changed
+
+
+def serving_action(state: EngineState, attached: bool) -> tuple[str, bool, str | None]:
+    """The Start/Stop item for ``state``: (label, enabled, why disabled).
+
+    One rule for the tray menu and the dashboard header. An attached engine was started
+    elsewhere, so the tray neither starts nor stops it.
+    """
+    if attached:
+        return ("Stop serving", False, "Attached to an engine started elsewhere; stop it there.")
+    if state in (EngineState.STOPPED, EngineState.FAILED):
+        return ("Start serving", True, None)
+    if state == EngineState.STOPPING:
+        return ("Stopping…", False, "The engine is stopping.")
+    return ("Stop serving", True, None)
 
 
 # --- memory ---------------------------------------------------------------------------
@@ -430,24 +446,38 @@ class RequestsModel(_Model):
 
     A row stays until the engine stops listing it: a Stop is shown as "stopping" at once,
     and the row disappears with the next snapshot or ``/admin/requests`` reply that no
-    longer lists it. Rows are never hidden on the tray's say-so alone.
+    longer lists it. Rows are never hidden on the tray's say-so alone. Once a fresh list
+    has confirmed a stopped row gone, a snapshot taken before the stop (still in flight
+    on the 1 Hz stream) cannot bring it back for ``stale_s`` seconds.
     """
 
     rows_changed = Signal()
 
-    def __init__(self) -> None:
+    def __init__(self, *, stale_s: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.rows: tuple[RequestRow, ...] = ()
         self.stopping: frozenset[str] = frozenset()
+        self._gone: dict[str, float] = {}
+        self._stale_s = stale_s
+        self._clock = clock
 
-    def apply_requests(self, requests: Iterable[Mapping[str, Any]]) -> bool:
-        """Replace the table with the engine's list; forgets Stops for rows that are gone."""
+    def apply_requests(self, requests: Iterable[Mapping[str, Any]], *, fresh: bool = False) -> bool:
+        """Replace the table with the engine's list; forgets Stops for rows that are gone.
+
+        ``fresh`` marks a list fetched after a Stop: stopped rows it no longer lists are
+        remembered as gone, so an older snapshot arriving next does not resurrect them.
+        """
+        now = self._clock()
+        self._gone = {rid: t for rid, t in self._gone.items() if now - t < self._stale_s}
         rows = tuple(
             RequestRow(str(r["id"]), str(r["state"]), int(r.get("tokens") or 0),
                        int(r.get("prompt_tokens") or 0), float(r.get("age_s") or 0.0))
-            for r in requests)
-        changed = self._assign("rows", rows)
+            for r in requests if str(r["id"]) not in self._gone)
         live = {r.id for r in rows}
+        if fresh:
+            for rid in self.stopping - live:
+                self._gone[rid] = now
+        changed = self._assign("rows", rows)
         changed |= self._assign("stopping", frozenset(self.stopping & live))
         if changed:
             self.rows_changed.emit()
@@ -486,6 +516,7 @@ class LogsModel(QObject):
 
     appended = Signal(list)  # the new lines (views may also re-read ``lines``)
     cleared = Signal()
+    source_changed = Signal()
 
     def __init__(self, maxlen: int = LOG_LINES) -> None:
         super().__init__()
@@ -507,6 +538,12 @@ class LogsModel(QObject):
         self._lines.clear()
         self.source = source
         self.cleared.emit()
+
+    def set_source(self, source: str | None) -> None:
+        """Name where the lines come from (a new engine process keeps the old lines above)."""
+        if source != self.source:
+            self.source = source
+            self.source_changed.emit()
 
 
 # --- rebuild outcome ------------------------------------------------------------------

@@ -224,3 +224,18 @@ def test_dashboard_model_distributes_a_whole_replay(snaps):
     model.forget_engine()
     assert model.pools.current is None and model.requests.rows == ()
     assert model.memory.tray_footprint is not None  # the tray still exists
+
+
+def test_a_stale_snapshot_cannot_resurrect_a_row_the_engine_confirmed_gone(snaps):
+    # The 1 Hz stream may deliver a snapshot taken just before the cancel landed.
+    now = [100.0]
+    requests = RequestsModel(stale_s=3.0, clock=lambda: now[0])
+    requests.apply_snapshot(snaps[3])
+    requests.mark_stopping(["req-a1"])
+    remaining = [r for r in snaps[3]["requests"] if r["id"] != "req-a1"]
+    requests.apply_requests(remaining, fresh=True)  # /admin/requests after the cancel
+    requests.apply_snapshot(snaps[3])  # the stale snapshot still lists it
+    assert [r.id for r in requests.rows] == ["req-b2"]
+    now[0] += 5.0  # long after: the engine's list is the truth again
+    requests.apply_snapshot(snaps[3])
+    assert [r.id for r in requests.rows] == ["req-a1", "req-b2"]

@@ -1,0 +1,73 @@
+"""qasync quirks, in one place (FeelUOwn keeps its own in ``utils/compat.py``).
+
+- Python 3.11 has no ``asyncio.run(loop_factory=...)``; ``asyncio.Runner`` takes one.
+- A loop bound to a ``QApplication`` must be made after the application exists, and
+  tasks only created once it runs (qasync issue 121).
+- Closing the last window would stop the loop: a tray app turns that off (issue 39).
+- Futures still pending at shutdown raise when the loop closes (PR 32): the runner
+  cancels them, and :func:`cancel_pending` does it for loops we did not start.
+- Signal handlers go through the loop (``add_signal_handler``: the wake-up fd is a socket
+  notifier on the Qt loop), so SIGTERM and Ctrl-C reach Python while Qt is in ``exec``.
+- Tests drive a loop that is "already running" under pytest-qt's event processing:
+  :func:`attach_loop` makes one and :func:`detach_loop` undoes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import qasync
+from PySide6.QtWidgets import QApplication
+
+
+def prepare_qt(app: QApplication) -> None:
+    """Settings every moetray Qt process needs before its loop starts."""
+    app.setQuitOnLastWindowClosed(False)
+
+
+def run(app: QApplication, main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """Run ``main()`` on a qasync loop bound to ``app`` until it returns; returns its result."""
+    with asyncio.Runner(loop_factory=lambda: qasync.QEventLoop(app)) as runner:
+        return runner.run(main())
+
+
+def install_exit_signals(callback: Callable[[], None]) -> list[signal.Signals]:
+    """Route SIGINT and SIGTERM to ``callback`` through the running loop; returns those installed."""
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, callback)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / platform
+            continue
+        installed.append(sig)
+    return installed
+
+
+def remove_exit_signals(sigs: list[signal.Signals]) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in sigs:
+        loop.remove_signal_handler(sig)
+
+
+def cancel_pending(loop: asyncio.AbstractEventLoop) -> int:
+    """Cancel every task still pending on ``loop``; returns how many."""
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in tasks:
+        task.cancel()
+    return len(tasks)
+
+
+def attach_loop(app: QApplication) -> asyncio.AbstractEventLoop:
+    """A qasync loop that counts as running while Qt processes events (for tests)."""
+    return qasync.QEventLoop(app, already_running=True)
+
+
+def detach_loop(loop: asyncio.AbstractEventLoop) -> None:
+    cancel_pending(loop)
+    QApplication.processEvents()
+    asyncio.events._set_running_loop(None)
+    loop.close()
