@@ -31,6 +31,7 @@ Policies (``policy=``):
 from __future__ import annotations
 
 import heapq
+import math
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -315,17 +316,18 @@ class _LFU(_Ranker):
         return (count, last)
 
 
-class _Horizon(_Ranker):
-    """Evict the expert whose next use is predicted farthest away, across layers.
+class _LayerAwareLRU(_Ranker):
+    """Per-layer recency, compared across layers by the distance to each expert's next use.
 
-    Each layer keeps its resident experts in recency order (last visit of that layer that
-    routed them). For a candidate of layer ``m`` that was last routed ``age`` visits of ``m``
-    ago, the predicted next use lies ``age × L + d`` layer calls ahead, where ``d`` is the
-    distance from the current layer to layer ``m``'s next visit. Only each layer's least
-    recent expert can hold the maximum, so a victim costs O(L).
+    Each layer keeps its resident experts in recency order (the last visit of that layer that
+    routed them). For a candidate of layer ``m`` last routed ``age`` visits of ``m`` ago, the
+    next use is predicted ``age × L + d`` layer calls ahead, where ``d`` is the distance from
+    the current layer to layer ``m``'s next visit; the farthest is evicted. Only each layer's
+    least recent expert can hold the maximum, so a victim costs O(L). This is the recency
+    half of ``horizon`` (kept as an ablation).
     """
 
-    name = "horizon"
+    name = "layer_aware_lru"
 
     def __init__(self, cache: ExpertCache) -> None:
         super().__init__(cache)
@@ -366,8 +368,195 @@ class _Horizon(_Ranker):
         return (-1 if last is None else last,)
 
 
-_RANKERS: dict[str, type[_Ranker]] = {r.name: r for r in (_Horizon, _GlobalLRU, _LayerLRU, _LFU)}
+class _Horizon(_Ranker):
+    """Evict the expert whose next use is predicted farthest away, in layer calls, across layers.
+
+    **Reuse rate.** Every (layer, expert) carries a combined recency-frequency value (LRFU's
+    CRF): each visit of its layer that routes it adds 1, and the value halves every ``1/λ``
+    visits of its layer. ``CRF · (1 − 2^−λ)`` estimates the share ``r`` of the layer's visits
+    that route the expert (1 for an expert routed every visit). Small λ behaves like LFU,
+    λ = 1 like LRU.
+
+    **Horizon.** An expert of layer ``m`` is predicted to be needed next after
+    ``d + L · (1/r − 1)`` layer calls, where ``d`` is the distance from the current layer to
+    layer ``m``'s next visit. The largest horizon is evicted. Because a layer's experts all
+    decay at the same rate between its visits, each layer's order is static and kept in a
+    heap; a victim compares the L layer heads (computed once per call, refreshed only for
+    the layer that lost an expert). The ``d`` term is what a global LRU lacks: when every
+    expert is reused every token (the cyclic sweep) it evicts the layer that just ran
+    instead of the one that runs next, and keeps ``capacity − k`` experts for good.
+
+    **Adaptive λ (set dueling).** Which λ fits depends on the routing and on the cache
+    size, so λ is chosen online among `LAMBDAS`: a few sampled layers each run one shadow
+    cache per candidate λ (tags only, sized to the real layer's current share), counting
+    the misses each would have had, with exponential forgetting. Every `PERIOD` sampled
+    calls the real cache switches to the candidate with the fewest shadow misses
+    (rebuilding its heaps, O(residents · log)). Shadows cost O(k · log E) per sampled call.
+    """
+
+    name = "horizon"
+    LAMBDAS = (0.02, 0.1, 0.3, 1.0)
+    SAMPLED_LAYERS = 4
+    PERIOD = 32
+    FORGET = 0.98
+
+    def __init__(self, cache: ExpertCache) -> None:
+        super().__init__(cache)
+        n_layers, n = cache.num_layers, cache.num_layers * cache.num_experts
+        self.crf = [[0.0] * n for _ in self.LAMBDAS]  # per candidate λ, at the last reference
+        self.last = [0] * n  # the layer's pass index at the last reference
+        self.active = min(1, len(self.LAMBDAS) - 1)  # starts at 0.1, the best single λ measured
+        self.key: list[float | None] = [None] * n  # heap key of a resident, None when not resident
+        self.heaps: list[list[tuple[float, int]]] = [[] for _ in range(n_layers)]
+        self.layer_count = [0] * n_layers
+        # Dueling: one shadow cache per candidate λ over a few sampled layers, sized to
+        # their share of the pool (only the adaptive policy has shadows; they have none).
+        samples = min(self.SAMPLED_LAYERS, max(1, n_layers // 4)) if len(self.LAMBDAS) > 1 else 0
+        step = n_layers / samples if samples else 0
+        sampled = sorted({min(n_layers - 1, int(step / 2 + i * step)) for i in range(samples)})
+        self.sampled = {layer: j for j, layer in enumerate(sampled)}  # real layer → shadow layer
+        self.shadows = [ExpertCache(len(sampled), cache.num_experts, self._shadow_capacity(cache.capacity),
+                                    policy=f"horizon@{lam}") for lam in self.LAMBDAS] if sampled else []
+        self.shadow_misses = [0.0] * len(self.LAMBDAS)
+        self.sampled_calls = 0
+        self.switches = 0
+        self._heads: list[tuple[float, int] | None] | None = None  # per call: each layer's head
+        self._dirty: set[int] = set()
+
+    @property
+    def lam(self) -> float:
+        return self.LAMBDAS[self.active]
+
+    def _key(self, i: int, flat: int) -> float:
+        # log2 of the CRF, shifted so that it does not change while the layer is not visited.
+        return math.log2(self.crf[i][flat]) + self.LAMBDAS[i] * self.last[flat]
+
+    def begin(self, layer: int) -> None:
+        self._heads = None
+        self._dirty.clear()
+
+    def admit(self, flat: int) -> None:
+        self.key[flat] = -math.inf  # placeholder until end(): routed now, protected this call
+        self.layer_count[flat // self.c.num_experts] += 1
+
+    def remove(self, flat: int) -> None:
+        self.key[flat] = None
+        layer = flat // self.c.num_experts
+        self.layer_count[layer] -= 1
+        self._dirty.add(layer)
+
+    def _shadow_capacity(self, capacity: int) -> int:
+        return max(1, round(capacity * len(self.sampled) / self.c.num_layers))
+
+    def resize(self, capacity: int) -> None:
+        self._heads = None
+        for shadow in self.shadows:
+            shadow.resize(self._shadow_capacity(capacity))
+
+    def end(self, flats: list[int]) -> None:
+        if not flats:
+            return
+        layer = flats[0] // self.c.num_experts
+        now = self.c._passes[layer]
+        shadow_layer = self.sampled.get(layer)
+        if shadow_layer is not None:  # what each candidate λ would have missed on this call
+            ids = [flat - layer * self.c.num_experts for flat in flats]
+            for i, shadow in enumerate(self.shadows):
+                misses = shadow.ensure(shadow_layer, ids).misses
+                self.shadow_misses[i] = self.shadow_misses[i] * self.FORGET + misses
+        for flat in flats:
+            age = now - self.last[flat]
+            for i, lam in enumerate(self.LAMBDAS):
+                self.crf[i][flat] = 1.0 + self.crf[i][flat] * 2.0 ** (-lam * age)
+            self.last[flat] = now
+        heap = self.heaps[layer]
+        for flat in flats:
+            if self.key[flat] is not None:
+                key = self._key(self.active, flat)
+                self.key[flat] = key
+                heapq.heappush(heap, (key, flat))
+        if len(heap) > 4 * self.layer_count[layer] + 32:
+            self._rebuild_layer(layer)
+        if shadow_layer is not None:
+            self.sampled_calls += 1
+            if self.sampled_calls % self.PERIOD == 0:
+                self._switch()
+
+    def _switch(self) -> None:
+        """Adopt the candidate λ whose shadows missed least (ties keep the current one)."""
+        best = min(range(len(self.LAMBDAS)), key=lambda i: (self.shadow_misses[i], i != self.active))
+        if best != self.active:
+            self.active = best
+            self.switches += 1
+            for layer in range(len(self.heaps)):
+                self._rebuild_layer(layer)
+            self._heads = None
+
+    def _rebuild_layer(self, layer: int) -> None:
+        base = layer * self.c.num_experts
+        heap = []
+        for flat in range(base, base + self.c.num_experts):
+            if self.key[flat] is not None and self.key[flat] != -math.inf:
+                key = self._key(self.active, flat)
+                self.key[flat] = key
+                heap.append((key, flat))
+        heapq.heapify(heap)
+        self.heaps[layer] = heap
+
+    def _head(self, layer: int, protected: set[int]) -> tuple[float, int] | None:
+        heap, aside, found = self.heaps[layer], [], None
+        while heap:
+            key, flat = heap[0]
+            if self.key[flat] != key:
+                heapq.heappop(heap)  # stale: re-keyed or gone
+                continue
+            if flat in protected:
+                aside.append(heapq.heappop(heap))
+                continue
+            found = (key, flat)
+            break
+        for item in aside:
+            heapq.heappush(heap, item)
+        return found
+
+    def _score(self, layer: int, current: int, key: float) -> float:
+        c, lam = self.c, self.lam
+        rate = min(1.0, 2.0 ** (key - lam * c._passes[layer]) * (1.0 - 2.0 ** -lam))
+        dist = (layer - current) % c.num_layers or c.num_layers
+        return dist + c.num_layers * (1.0 / rate - 1.0) if rate > 0 else math.inf
+
+    def victim(self, layer: int, protected: set[int]) -> int | None:
+        n_layers = self.c.num_layers
+        if self._heads is None:
+            self._heads = [None] * n_layers
+            self._dirty = set(range(n_layers))
+        heads = self._heads
+        for m in self._dirty:
+            head = self._head(m, protected)
+            heads[m] = None if head is None else (self._score(m, layer, head[0]), head[1])
+        self._dirty.clear()
+        best = None
+        for head in heads:
+            if head is not None and (best is None or head[0] > best[0]):
+                best = head
+        return None if best is None else best[1]
+
+    def fetch_priority(self, flat: int) -> tuple:
+        layer = flat // self.c.num_experts
+        lam = self.lam
+        return (self.crf[self.active][flat] * 2.0 ** (-lam * (self.c._passes[layer] - self.last[flat])),)
+
+
+_RANKERS: dict[str, type[_Ranker]] = {
+    r.name: r for r in (_Horizon, _GlobalLRU, _LayerLRU, _LFU, _LayerAwareLRU)
+}
 POLICIES: tuple[str, ...] = tuple(_RANKERS)
+# Fixed-λ horizon variants, ``"horizon@<λ>"``: the shadows of the dueling policy, and ablations.
+# Accepted by `ExpertCache` but not listed in POLICIES.
+_FIXED_HORIZON: dict[str, type[_Ranker]] = {
+    f"horizon@{lam}": type(f"_Horizon_{i}", (_Horizon,), {"name": f"horizon@{lam}", "LAMBDAS": (lam,)})
+    for i, lam in enumerate(_Horizon.LAMBDAS)
+}
 """Every policy name `ExpertCache` accepts; the first is the default."""
 
 
@@ -387,7 +576,8 @@ class ExpertCache:
                                num_experts=num_experts)
         if not _is_int(capacity) or capacity < 1:
             raise CacheRefused("below_floor", f"capacity {capacity} < 1 slot", capacity=capacity, floor=1)
-        if policy not in _RANKERS:
+        ranker = _RANKERS.get(policy) or _FIXED_HORIZON.get(policy)
+        if ranker is None:
             raise CacheRefused("unknown_policy", f"unknown policy {policy!r}; choose from {POLICIES}",
                                policy=policy, choices=POLICIES)
         self.num_layers = num_layers
@@ -404,7 +594,7 @@ class ExpertCache:
         self._count = [0] * n  # routes over the whole history (distinct per call)
         self._latest_layer = num_layers - 1  # as if the last layer had just run
         self._stats = [CacheStats()] * num_layers
-        self._ranker = _RANKERS[policy](self)
+        self._ranker = ranker(self)
 
     # --- read-only views ----------------------------------------------------------------
 

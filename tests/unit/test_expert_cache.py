@@ -222,18 +222,20 @@ def test_lru_evicts_the_layer_that_runs_next():
     assert cache.ensure(1, [0, 1]).evicted == [(2, 0)]
 
 
-def test_horizon_evicts_the_layer_that_just_ran():
-    # Same state as above: layer 0's expert is needed again only after the whole stack,
-    # layer 2's in the very next call, so the horizon policy keeps layer 2's.
-    cache = ExpertCache(3, 4, 3, policy="horizon")
-    for layer in range(3):
-        cache.ensure(layer, [0])
+@pytest.mark.parametrize("policy", ["horizon", "layer_aware_lru"])
+def test_horizon_evicts_the_layer_that_just_ran(policy):
+    # Same state as above, after a warm-up in which every layer routed expert 0 every token:
+    # layer 0's expert is needed again only after the whole stack, layer 2's in the very
+    # next call, so the horizon policies keep layer 2's.
+    cache = ExpertCache(3, 4, 3, policy=policy)
+    sweep(cache, 20, lambda t, layer: [0])
     cache.ensure(0, [0])
     assert cache.ensure(1, [0, 1]).evicted == [(0, 0)]
 
 
-def test_horizon_evicts_an_expert_unused_for_many_visits_first():
-    cache = ExpertCache(2, 4, 3, policy="horizon")
+@pytest.mark.parametrize("policy", ["horizon", "layer_aware_lru"])
+def test_horizon_evicts_an_expert_unused_for_many_visits_first(policy):
+    cache = ExpertCache(2, 4, 3, policy=policy)
     cache.ensure(0, [3])  # layer 0 expert 3, then never again
     cache.ensure(1, [0])
     for _ in range(4):
