@@ -1,4 +1,4 @@
-"""Every refusal kind the control-plane policies can raise has an HTTP mapping in wire.REFUSALS.
+"""Every refusal kind the control-plane, effort and turn policies can raise is mapped in wire.REFUSALS.
 
 An unmapped kind reaches clients as a generic 500 that never retries: a transient "busy"
 would look like a crash. Each refusal class lists its kinds in a ``KINDS`` tuple, so a
@@ -11,11 +11,11 @@ import inspect
 
 import pytest
 
-from moetray.policy import footprint, maintenance, outbox, pool_budget, rebuild
+from moetray.policy import effort, footprint, maintenance, outbox, pool_budget, rebuild, turn
 from moetray.policy.rebuild import OUTCOME_REFUSAL_KINDS, Applied, Latched, RejectedIntact, RolledBack
 from moetray.policy.wire import REFUSALS
 
-CONTROL_PLANE = (maintenance, rebuild, pool_budget, outbox, footprint)
+CONTROL_PLANE = (maintenance, rebuild, pool_budget, outbox, footprint, effort, turn)
 
 
 def exception_classes(module) -> list[type[BaseException]]:
