@@ -203,6 +203,16 @@ def test_drained_stop_seals_the_snapshot():
     assert gate.sealed == SNAP
 
 
+def test_a_stop_during_load_seals_without_reopening():
+    """A tray quitting while the model loads still needs a receipt, and the gate must stay shut."""
+    gate = MaintenanceGate()
+    gate.begin_stop()
+    zeros = SealedAccounting(None, 0, 0, 1.5)
+    assert gate.seal(0, False, lambda: zeros) == zeros
+    gate.finish_loading(True)
+    assert gate.state is GateState.STOPPING
+
+
 def test_abort_barrier_timeout_keeps_gate_closed_and_unsealed():
     """Sealing with work in flight would miss a late sampled token; reopening would admit more."""
     gate = stopping_gate()
