@@ -218,9 +218,10 @@ def probe_effort(render: Render, *, messages=PROBE_MESSAGES) -> EffortProfile:
     force thinking), and with ``THINKING_ON``. A round whose baseline (no effort) fails to
     render is skipped: the template rejects the probe's shape, not the effort. In each
     round every known gear is rendered in both spellings (``reasoning_effort`` and
-    ``reasoning_strength``, as requests will send it): an error marks it
-    rejected, a different prompt marks it diverged. A nonsense value tells a template
-    that takes any string from one that reacts to a few names only. No round rendering → ``inert()``.
+    ``reasoning_strength``, as requests will send it): an error marks it rejected, a
+    different prompt marks it diverged. A nonsense value tells a template that takes any
+    string from one that reacts to a few names only. No round rendering → ``inert()``.
+    ``render`` receives ``tools`` and ``add_generation_prompt`` as keywords.
     """
     rounds: list[dict[str, Any]] = [{}, {"tools": [PROBE_TOOL]}, dict(THINKING_ON)]
     ran = False
