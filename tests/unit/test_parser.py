@@ -397,6 +397,13 @@ def test_a_declared_string_keeps_its_leading_zeros():
     assert p.parse_complete(text)[1] == [ToolCall(0, "lookup", '{"zip": "018956", "n": 7, "exact": true}')]
 
 
+def test_a_declared_string_that_looks_like_a_number_stays_a_string():
+    # Guessing without the schema turns a note saying "42" into the integer 42.
+    p = ToolCallParser(ToolCallFormat.GLM45, TOOLS)
+    text = "<tool_call>note\n<arg_key>body</arg_key><arg_value>42</arg_value></tool_call>"
+    assert p.parse_complete(text)[1] == [ToolCall(0, "note", '{"body": "42"}')]
+
+
 def test_an_undeclared_parameter_gets_a_loose_guess():
     p = ToolCallParser(ToolCallFormat.GLM45, TOOLS)
     text = ("<tool_call>other\n<arg_key>a</arg_key><arg_value>3</arg_value>"
@@ -424,6 +431,15 @@ def test_parameters_stream_as_prefix_stable_fragments():
     first = p.push("<tool_call>\n<function=note>\n<parameter=body>\nhello\n</parameter>\n")
     assert first == [CallStart(0, "note"), CallArguments(0, '{"body": "hello"')]
     assert p.push("</function>\n</tool_call>") == [CallArguments(0, "}"), CallEnd(0, '{"body": "hello"}')]
+
+
+def test_a_repeated_parameter_keeps_its_first_value():
+    # A second "zip" fragment would make the streamed JSON disagree with the final arguments.
+    p = ToolCallParser(ToolCallFormat.QWEN3_CODER, TOOLS)
+    events = p.push("<tool_call>\n<function=lookup>\n<parameter=zip>\n1\n</parameter>\n"
+                    "<parameter=zip>\n2\n</parameter>\n</function>\n</tool_call>") + p.flush()
+    assert_well_formed(events)
+    assert fold_events(events)[1] == [ToolCall(0, "lookup", '{"zip": "1"}')]
 
 
 def test_an_invalid_json_block_is_text_not_a_call():
