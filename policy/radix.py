@@ -95,7 +95,9 @@ class RadixNode:
     boundary never moves (splits keep this object as the suffix).
     """
 
-    __slots__ = ("_alive", "_cache", "_children", "_key", "_parent", "_ref", "_serial", "_stamp", "_value")
+    __slots__ = (
+        "_alive", "_cache", "_children", "_key", "_own", "_parent", "_ref", "_serial", "_stamp", "_value",
+    )
 
     def __init__(
         self,
@@ -112,7 +114,8 @@ class RadixNode:
         self._value = value
         self._parent = parent
         self._children: dict[tuple[int, ...], RadixNode] = {}
-        self._ref = ref
+        self._ref = ref  # lock depth: own locks plus every lock taken on a descendant
+        self._own = ref  # locks taken on this very node (a split's new prefix has none)
         self._stamp = stamp
         self._serial = serial
         self._alive = True
@@ -261,9 +264,8 @@ class RadixCache:
                 protected += len(node._key)
         for node in self._walk_nodes(include_root=True):
             below = sum(child._ref for child in node._children.values())
-            floor = below + (1 if node is self._root else 0)
-            if node._ref < floor:
-                self._fail(f"{node!r} lock depth {node._ref} < children's {below}")
+            if node._own < (1 if node is self._root else 0) or node._ref != node._own + below:
+                self._fail(f"{node!r} lock depth {node._ref} != own {node._own} + children's {below}")
         if seen != self._slots:
             self._fail(f"slot index holds {len(self._slots)} slots, nodes hold {len(seen)}")
         if (evictable, protected) != (self._evictable, self._protected):
@@ -352,6 +354,7 @@ class RadixCache:
         a stale handle (``stale_handle``).
         """
         self._check_handle(node)
+        node._own += 1
         walk: RadixNode | None = node
         while walk is not None:
             if walk._ref == 0:
@@ -368,11 +371,9 @@ class RadixCache:
         (a lock on a descendant does not count), and ``stale_handle``.
         """
         self._check_handle(node)
-        own = node._ref - sum(child._ref for child in node._children.values())
-        if node is self._root:
-            own -= 1
-        if own < 1:
+        if node._own < (2 if node is self._root else 1):
             raise RadixError("unlock_without_lock", f"{node!r} holds no lock of its own")
+        node._own -= 1
         walk: RadixNode | None = node
         while walk is not None:
             walk._ref -= 1
@@ -457,9 +458,12 @@ class RadixCache:
     def _common_pages(self, key: tuple[int, ...], ids: tuple[int, ...], pos: int) -> int:
         """Tokens of ``key`` that equal ``ids[pos:]``, rounded down to whole pages."""
         limit = min(len(key), len(ids) - pos)
-        same = 0
-        while same < limit and key[same] == ids[pos + same]:
-            same += 1
+        if key[:limit] == ids[pos : pos + limit]:  # the common case, compared in C
+            same = limit
+        else:
+            same = 0
+            while key[same] == ids[pos + same]:
+                same += 1
         return same - same % self._page
 
     def _probe(self, ids: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
@@ -506,6 +510,7 @@ class RadixCache:
         assert parent is not None
         cut = self._entries(at)
         prefix = self._new_node(node._key[:at], node._value[:cut], parent, ref=node._ref)
+        prefix._own = 0  # every lock counted in its depth was taken on the suffix or below
         prefix._stamp = node._stamp
         parent._children[node._key[: self._page]] = prefix
         node._key = node._key[at:]
