@@ -67,7 +67,10 @@ def attach_loop(app: QApplication) -> asyncio.AbstractEventLoop:
 
 
 def detach_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Undo :func:`attach_loop`: cancel what is pending, let it unwind, then close the loop."""
     cancel_pending(loop)
-    QApplication.processEvents()
+    for _ in range(3):
+        QApplication.processEvents()
+    loop.stop()  # an "already running" loop counts as running until stopped (app.exit is a no-op)
     asyncio.events._set_running_loop(None)
     loop.close()

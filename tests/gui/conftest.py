@@ -1,0 +1,39 @@
+"""GUI test fixtures: a qasync loop under pytest-qt, live engines, an app attached to one."""
+
+from __future__ import annotations
+
+import pytest
+from live import start_engine
+
+from moetray.app import compat
+
+SLOW_LINK_GBPS = "0.001"
+"""Expert copies throttled to ~1 MB/s: each miss sleeps ~25 ms, so a generation lasts long
+enough to be seen in the table and stopped (cheap on CPU: the throttle sleeps)."""
+
+
+@pytest.fixture(scope="module")
+def qloop(qapp):
+    """A qasync loop that counts as running while Qt processes events (qtbot waits)."""
+    loop = compat.attach_loop(qapp)
+    yield loop
+    compat.detach_loop(loop)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_moe):
+    return tiny_moe("qwen3_moe", "per_expert")
+
+
+@pytest.fixture(scope="module")
+def dashboard_engine(tiny_model, tmp_path_factory):
+    """One engine for the dashboard tests: half the experts resident, a slow link, small pools.
+
+    ``--budget-bytes`` keeps the pools small enough that the slider's range is a real
+    trade; ``--rebuild-idle-timeout`` keeps a re-split refused under load quick.
+    """
+    engine = start_engine(tiny_model, tmp_path_factory.mktemp("dash-engine"),
+                          "--moe-capacity", "10", "--budget-bytes", str(4 * 1024 * 1024),
+                          "--link-gbps", SLOW_LINK_GBPS, "--rebuild-idle-timeout", "1.0")
+    yield engine
+    engine.close()

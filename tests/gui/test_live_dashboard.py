@@ -1,0 +1,158 @@
+"""The dashboard against a live engine on loopback (a tiny MoE, `moetray serve` as a child).
+
+The app is attached to the engine exactly as ``moetray --attach URL`` does; the tests
+click the real widgets and check the engine's own account over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from live import StreamingChat, run_async
+from PySide6.QtCore import Qt
+
+from moetray.app.application import AppOptions, MoetrayApp
+from moetray.app.settings import Settings
+from moetray.ui.charts import EMPTY_CELL
+from moetray.ui.viewmodels import EngineState
+
+WAIT_MS = 30000
+
+
+def _pump_until(qapp, task, timeout_s=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not task.done() and time.monotonic() < deadline:
+        qapp.processEvents()
+    return task.result()
+
+
+@pytest.fixture(scope="module")
+def app(qapp, qloop, dashboard_engine, tmp_path_factory):
+    settings = Settings.at(tmp_path_factory.mktemp("dash-settings") / "moetray.conf")
+    app = MoetrayApp(qapp, settings, AppOptions(attach=dashboard_engine.url,
+                                                admin_token=dashboard_engine.token, no_tray=True))
+    app.initialize()
+    _pump_until(qapp, asyncio.ensure_future(app.start()))
+    yield app
+    _pump_until(qapp, asyncio.ensure_future(app.shutdown()))
+    app.window.close()
+
+
+@pytest.fixture
+def window(app, qtbot):
+    qtbot.waitUntil(lambda: app.model.engine.state == EngineState.SERVING, timeout=WAIT_MS)
+    return app.window
+
+
+@pytest.fixture
+def idle(dashboard_engine, app, qtbot):
+    """Each test starts and ends with no request running on the shared engine."""
+    qtbot.waitUntil(lambda: not dashboard_engine.request_ids(), timeout=WAIT_MS)
+    yield
+    for rid in dashboard_engine.request_ids():
+        run_async(qtbot, app.cancel_request(rid))
+    qtbot.waitUntil(lambda: not dashboard_engine.request_ids(), timeout=WAIT_MS)
+
+
+def test_the_window_opens_attached_with_the_engines_model(window, dashboard_engine):
+    # Without a system tray (offscreen), the dashboard is the app and opens at start.
+    assert window.isVisible()
+    assert window.header.title.text() == dashboard_engine.status()["model"]["label"]
+    assert "(attached)" in window.header.subtitle.text()
+
+
+def test_heatmap_reflects_the_engines_residency_map(app, window, dashboard_engine, idle, qtbot):
+    chat = StreamingChat(dashboard_engine, max_tokens=6, content="route some tokens")
+    chat.start()
+    qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: not dashboard_engine.request_ids(), timeout=WAIT_MS)
+    residency = dashboard_engine.status()["experts"]["residency"]  # stable while idle
+    expected = tuple(tuple(row) for row in residency)
+    window.show_tab("Experts")
+    qtbot.waitUntil(lambda: app.model.experts.residency == expected, timeout=WAIT_MS)
+    rgba = window.experts.heatmap.rgba
+    assert rgba.shape[:2] == (len(residency), len(residency[0]))
+    resident = [(li, e) for li, row in enumerate(residency) for e, slot in enumerate(row) if slot is not None]
+    empty = [(li, e) for li, row in enumerate(residency) for e, slot in enumerate(row) if slot is None]
+    assert resident and empty, "a partly resident map is needed for this test to mean anything"
+    assert all(tuple(rgba[li, e]) == EMPTY_CELL for li, e in empty)
+    assert all(tuple(rgba[li, e]) != EMPTY_CELL for li, e in resident)
+    stat = window.experts.stats.stat("Resident experts").value_text
+    assert stat == f"{len(resident)} / {len(resident) + len(empty)}"
+
+
+def test_stop_on_a_row_cancels_that_request(app, window, dashboard_engine, idle, qtbot):
+    chat = StreamingChat(dashboard_engine, max_tokens=400)
+    chat.start()
+    window.show_tab("Requests")
+    qtbot.waitUntil(lambda: len(window.requests.row_ids()) == 1, timeout=WAIT_MS)
+    rid = window.requests.row_ids()[0]
+    qtbot.mouseClick(window.requests.stop_buttons[rid], Qt.MouseButton.LeftButton)
+    # The row goes as soon as the engine stops listing it (no need to wait for the next event).
+    qtbot.waitUntil(lambda: rid not in window.requests.row_ids(), timeout=3000)
+    assert rid not in dashboard_engine.request_ids()
+    qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
+    assert chat.finish_reason != "length" and chat.chunks < 400
+
+
+def test_stop_all_cancels_every_request(app, window, dashboard_engine, idle, qtbot):
+    chats = [StreamingChat(dashboard_engine, max_tokens=400, content=f"story {i}") for i in range(2)]
+    for chat in chats:
+        chat.start()
+    window.show_tab("Requests")
+    qtbot.waitUntil(lambda: len(window.requests.row_ids()) == 2, timeout=WAIT_MS)
+    qtbot.mouseClick(window.requests.stop_all_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.requests.row_ids() == [], timeout=3000)
+    assert dashboard_engine.request_ids() == []
+    for chat in chats:
+        qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
+        assert chat.chunks < 400
+
+
+def _other_end(pools) -> int:
+    limits = pools["limits"]["moe_slots"]
+    return limits["min"] if pools["moe_slots"] != limits["min"] else limits["max"]
+
+
+def test_apply_changes_the_engines_pool_sizes_and_shows_the_outcome(app, window, dashboard_engine,
+                                                                    idle, qtbot):
+    window.show_tab("Pools")
+    view = window.pools
+    qtbot.waitUntil(lambda: app.model.pools.enabled and view.slider.isEnabled(), timeout=WAIT_MS)
+    before = dashboard_engine.status()["pools"]
+    target = _other_end(before)
+    view.slider.setValue(target)  # what dragging the handle does
+    selection = app.model.pools.selection
+    assert selection.moe_slots == target and view.apply_button.isEnabled()
+    qtbot.mouseClick(view.apply_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: app.model.pools.outcome is not None and not app.model.pools.applying,
+                    timeout=WAIT_MS)
+    outcome = app.model.pools.outcome
+    assert outcome.outcome == "applied", outcome.text()
+    assert view.outcome_text.startswith("Applied") and f"→ {target} slots" in view.outcome_text
+    after = dashboard_engine.status()["pools"]
+    assert (after["moe_slots"], after["kv_pages"]) == (selection.moe_slots, selection.kv_pages)
+    assert outcome.before.moe_slots == before["moe_slots"]
+
+
+def test_apply_while_busy_is_rejected_intact_with_the_engines_reason(app, window, dashboard_engine,
+                                                                     idle, qtbot):
+    window.show_tab("Pools")
+    view = window.pools
+    qtbot.waitUntil(lambda: app.model.pools.enabled, timeout=WAIT_MS)
+    before = dashboard_engine.status()["pools"]
+    chat = StreamingChat(dashboard_engine, max_tokens=400)
+    chat.start()
+    qtbot.waitUntil(lambda: len(dashboard_engine.request_ids()) == 1, timeout=WAIT_MS)
+    view.slider.setValue(_other_end(before))
+    qtbot.mouseClick(view.apply_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: app.model.pools.outcome is not None and not app.model.pools.applying
+                    and app.model.pools.outcome.kind is not None, timeout=WAIT_MS)
+    outcome = app.model.pools.outcome
+    assert outcome.outcome == "rejected_intact", outcome.text()
+    assert outcome.message and outcome.message in view.outcome_text  # the engine's words, verbatim
+    after = dashboard_engine.status()["pools"]
+    assert (after["moe_slots"], after["kv_pages"]) == (before["moe_slots"], before["kv_pages"])
