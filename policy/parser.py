@@ -808,9 +808,7 @@ def _schema_types(schema: Mapping[str, Any] | None) -> list[str] | None:
         if isinstance(schema.get(key), list):
             types = [t for branch in schema[key] for t in (_schema_types(branch) or [])]
             return types or None
-    if "enum" in schema or "const" in schema:
-        return None
-    return None
+    return None  # enum, const or no type at all: no declared type to honour
 
 
 def _coerce(raw: str, schema: Mapping[str, Any] | None) -> Any:
