@@ -15,6 +15,7 @@ BENCHMARKS = {
     "engine": "moetray.engine.bench.offload",  # offloading engine vs resident vs accelerate
     "serve": "moetray.engine.bench.serve",  # HTTP serving vs `transformers serve`
     "demo": "moetray.engine.bench.demo_quality",  # demo model perplexity and chat answers
+    "radix_cost": "moetray.engine.bench.radix_cost",  # radix verbs' cost as the tree grows
     "ui": "moetray.engine.bench.ui",  # the tray process's RSS and CPU, measured from outside
 }
 
