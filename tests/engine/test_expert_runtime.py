@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moetray.engine.experts import ResizeFault, load_offloaded_model
-from moetray.engine.experts.hybrid import device_identity, settle_host_banks
+from moetray.engine.experts.hybrid import cache_directory, device_identity, settle_host_banks
 from moetray.policy.moe.bench_profile import BandwidthProfile, DeviceIdentity, save_profile
 from moetray.policy.moe.expert_cache import CacheRefused
 from moetray.policy.moe.expert_slots import SlotDeviceError
@@ -61,12 +61,13 @@ def test_misses_are_copied_through_expert_slots(qwen3):
     rt.check_integrity(deep=True)
 
 
-def test_profile_picks_hybrid_and_its_fraction(qwen3, isolated_profile_dir):
+def test_profile_picks_hybrid_and_its_fraction(qwen3):
     """With fetch_fraction=None the runtime reads this device's bandwidth profile: a CPU that
     beats the link by the threshold gives the hybrid backend with the profile's q* fraction;
     a profile recorded on another device is never borrowed (offload)."""
     me = device_identity(torch.device("cpu"))
-    save_profile(isolated_profile_dir, BandwidthProfile(device=me, link_gbs=10.0, cpu_gbs=30.0))
+    profile_dir = cache_directory()  # the autouse fixture points it at a temp folder
+    save_profile(profile_dir, BandwidthProfile(device=me, link_gbs=10.0, cpu_gbs=30.0))
     om = load_offloaded_model(qwen3, capacity=6)
     assert om.runtime.backend == "hybrid"
     assert om.runtime.fetch_fraction == pytest.approx(10.0 / 30.0, abs=1e-4)  # standalone: link/cpu
@@ -74,8 +75,8 @@ def test_profile_picks_hybrid_and_its_fraction(qwen3, isolated_profile_dir):
     assert om.runtime.cache.stats().bypassed > 0
 
     foreign = DeviceIdentity("cpu", me.name + " (another box)")
-    (isolated_profile_dir / "benchbw" / f"{me.key}.json").write_text(
-        (isolated_profile_dir / "benchbw" / f"{me.key}.json").read_text().replace(
+    (profile_dir / "benchbw" / f"{me.key}.json").write_text(
+        (profile_dir / "benchbw" / f"{me.key}.json").read_text().replace(
             f'"name": "{me.name}"', f'"name": "{foreign.name}"'))
     om = load_offloaded_model(qwen3, capacity=6)
     assert om.runtime.backend == "offload" and om.runtime.fetch_fraction is None
@@ -257,7 +258,8 @@ def test_snapshot_has_the_wire_shape_and_honest_unknowns(qwen3):
     greedy(om.model)
     snap = rt.snapshot()
     assert len(snap["residency"]) == rt.num_layers and len(snap["residency"][0]) == rt.num_experts
-    assert sum(snap["window_hits"]) == snap["total_hits"] and sum(snap["window_misses"]) == snap["total_misses"]
+    assert sum(snap["window_hits"]) == snap["total_hits"]
+    assert sum(snap["window_misses"]) == snap["total_misses"]
     assert sum(snap["window_bytes"]) == snap["total_bytes"] == rt.cache.stats().fetched * rt.bytes_per_slot
     assert snap["hit_rate"] == pytest.approx(snap["total_hits"] / (snap["total_hits"] + snap["total_misses"]))
     assert snap["bytes_per_token"] == pytest.approx(snap["total_bytes"] / rt.total_tokens)

@@ -1,0 +1,50 @@
+"""The two benchmark commands run end to end at toy sizes: receipts, profile, and their reader."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from expert_helpers import isolated_profile_dir, one_torch_thread  # noqa: F401 (autouse fixtures)
+
+from moetray.engine.bench import bw, offload
+from moetray.engine.bench.results import RESULTS_DIR_ENV
+from moetray.engine.experts.hybrid import lookup_profile, resolve_qstar
+
+
+def test_bench_bw_writes_a_profile_the_engine_reads(tmp_path, monkeypatch):
+    """`moetray bench bw` saves this device's profile where the loader looks for it, labelled
+    as what it measured (a memcpy on a machine without a GPU, never "PCIe"), plus a receipt.
+    Prevents: a producer and reader that disagree on the path or the device key."""
+    monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path / "results"))
+    assert bw.main(["--device", "cpu", "--hidden", "64", "--inter", "32", "--dtype", "float32",
+                    "--window-mb", "1", "--seconds", "0.05", "--threads", "1"]) == 0
+    lookup = lookup_profile(torch.device("cpu"))
+    assert lookup.status == "ok"
+    profile = lookup.profile
+    assert profile.link_gbs > 0 and profile.cpu_gbs > 0 and profile.overlapped
+    assert "memcpy" in profile.link_label and "PCIe" not in profile.link_label
+    assert profile.expert_bytes == 3 * 64 * 32 * 4
+    receipt = json.loads((tmp_path / "results" / "bw.json").read_text())
+    assert receipt["results"]["backend"] == profile.backend
+    qstar = resolve_qstar(None, device=torch.device("cpu"))
+    assert (qstar is None) == (profile.backend == "offload")
+
+
+def test_bench_engine_runs_every_row_and_stays_identical(tmp_path, monkeypatch):
+    """`moetray bench engine` at toy size: every row present, every row token-identical to
+    resident eager, bytes over the link ordered as the design says (accelerate moves whole
+    layers; moetray at 100 % moves nothing once warm)."""
+    monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path / "results"))
+    assert offload.main(["--hidden", "64", "--inter", "32", "--layers", "2", "--experts", "8", "--top-k", "2",
+                         "--vocab", "384", "--tokens", "4", "--prompt", "6", "--repeats", "1",
+                         "--workdir", str(tmp_path / "work"), "--fetch-fraction", "1.0"]) == 0
+    receipt = json.loads((tmp_path / "results" / "engine.json").read_text())
+    rows = {r["name"]: r for r in receipt["results"]["rows"]}
+    assert set(rows) == {"resident eager", "resident grouped_mm", "accelerate → disk", "accelerate → cpu",
+                         "moetray 10%", "moetray 25%", "moetray 50%", "moetray 90%", "moetray 100%"}
+    assert all(r["identical"] for r in rows.values())
+    whole_layers = 2 * 8 * 3 * 64 * 32 * 4  # every expert of both layers, per token
+    assert rows["accelerate → disk"]["bytes_per_token"] == whole_layers
+    assert rows["moetray 100%"]["bytes_per_token"] <= rows["moetray 10%"]["bytes_per_token"]
+    assert rows["moetray 10%"]["bytes_per_token"] < whole_layers
