@@ -261,7 +261,8 @@ class MoetrayApp(QObject):
             return False
         folder = self.current_model if folder is None else folder
         folder = DEMO_MODEL if folder is None else folder
-        spec = LaunchSpec(model=folder or None, port=self.settings.port, device=self.settings.device)
+        spec = LaunchSpec(model=folder or None, port=self.settings.port, device=self.settings.device,
+                          extra_args=tuple(self.settings.engine_args))
         try:
             plan = prepare_launch(spec)
             self.supervisor.start(plan)

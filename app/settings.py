@@ -7,6 +7,7 @@ list comes back as a bare string.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from PySide6.QtCore import QSettings
@@ -99,3 +100,18 @@ class Settings:
     @serve_on_start.setter
     def serve_on_start(self, value: bool) -> None:
         self._s.setValue("engine/serve_on_start", bool(value))
+
+    @property
+    def engine_args(self) -> list[str]:
+        """Extra ``moetray serve`` flags for every start (e.g. ``--budget-bytes``), as argv words."""
+        value = self._s.value("engine/extra_args", [])
+        if value is None or value == "":
+            return []
+        if isinstance(value, str):
+            return shlex.split(value)
+        return [str(v) for v in value]
+
+    @engine_args.setter
+    def engine_args(self, args: list[str]) -> None:
+        self._s.setValue("engine/extra_args", shlex.join(args))
+

@@ -340,18 +340,20 @@ class EngineSupervisor(QObject):
             return
 
     async def _on_crash(self, child: _Child, reason: str) -> None:
+        """Report at once, decide restart or not, then end what is left of the child."""
         self.last_reason = reason
+        give_up = self.restarts_used >= self.max_restarts
+        self._set_phase(Phase.FAILED if give_up else Phase.RESTARTING)
+        self.crashed.emit(reason)
+        if give_up:
+            self.gave_up.emit(reason)
         # A hung engine is ended without the polite phase: it would not act on SIGINT.
         await self._escalate(child, grace_s=0.0, term_grace_s=1.0)
         await self._reap(child)
-        self.crashed.emit(reason)
-        if self.restarts_used >= self.max_restarts:
-            self._set_phase(Phase.FAILED)
-            self.gave_up.emit(reason)
+        if give_up or self.phase != Phase.RESTARTING:  # a user Stop meanwhile wins
             return
         delay = self.backoff_s * (2 ** self.restarts_used)
         self.restarts_used += 1
-        self._set_phase(Phase.RESTARTING)
         self.restarting.emit(delay)
         self._restart_task = asyncio.ensure_future(self._restart_after(delay))
 

@@ -180,3 +180,11 @@ def test_second_launch_reaches_the_first_and_a_stale_socket_is_cleared(qtbot, tm
 def test_instance_names_differ_per_settings_store_and_user(tmp_path):
     a, b = server_name(str(tmp_path / "a.conf")), server_name(str(tmp_path / "b.conf"))
     assert a != b and str(os.getuid()) in a
+
+
+def test_extra_engine_arguments_round_trip_as_argv_words(tmp_path):
+    settings = Settings.at(tmp_path / "s.conf")
+    args = ["--budget-bytes", "4194304", "--outbox-dir", "/a b/c"]
+    settings.engine_args = args
+    settings.sync()
+    assert Settings.at(tmp_path / "s.conf").engine_args == args

@@ -1,0 +1,108 @@
+"""The supervisor with a real engine child: load progress, crash and hang detection, one
+restart and no loop, and a Quit that runs prepare-stop before ending the child.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from live import run_async
+
+from moetray.app.application import AppOptions, MoetrayApp
+from moetray.app.settings import Settings
+from moetray.app.supervisor import Phase
+from moetray.ui.viewmodels import EngineState
+
+START_MS = 240000
+SMALL_POOLS = ["--budget-bytes", str(4 * 1024 * 1024), "--moe-capacity", "10"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def supervised(qapp, qloop, qtbot, tmp_path, monkeypatch):
+    """A tray app (window only) that starts its own engines; torn down like Quit."""
+    for var in ("XDG_STATE_HOME", "XDG_RUNTIME_DIR", "XDG_DATA_HOME"):
+        path = tmp_path / var.lower()
+        path.mkdir(mode=0o700)
+        monkeypatch.setenv(var, str(path))  # the child's receipts and token files stay here
+    settings = Settings.at(tmp_path / "moetray.conf")
+    settings.engine_args = SMALL_POOLS
+    app = MoetrayApp(qapp, settings, AppOptions(no_tray=True))
+    app.supervisor.backoff_s = 0.2
+    app.initialize()
+    notes: list[tuple[str, str, bool]] = []
+    app.notified.connect(lambda title, message, err: notes.append((title, message, err)))
+    app.notes = notes
+    yield app
+    run_async(qtbot, app.shutdown(), timeout_ms=60000)
+
+
+def _serve(app, qtbot, model: Path) -> int:
+    assert app.start_serving(str(model))
+    qtbot.waitUntil(lambda: app.model.engine.state == EngineState.SERVING, timeout=START_MS)
+    return app.supervisor.pid
+
+
+@pytest.mark.slow
+def test_a_crashed_engine_is_restarted_once_then_a_hang_is_final(supervised, tiny_model, qtbot):
+    app, sup = supervised, supervised.supervisor
+    first = _serve(app, qtbot, tiny_model)
+    with qtbot.waitSignal(sup.crashed, timeout=2000) as crashed:  # an exit is noticed within 2 s
+        os.kill(first, signal.SIGKILL)
+    assert "exited" in crashed.args[0]
+    qtbot.waitUntil(lambda: app.model.engine.state == EngineState.SERVING and sup.pid not in (None, first),
+                    timeout=START_MS)
+    hung = sup.pid
+    assert (sup.restarts_used, sup.spawn_count) == (1, 2)
+    os.kill(hung, signal.SIGSTOP)  # alive but silent: only the /health watchdog can tell
+    try:
+        # The last /health reply is at most one probe interval old: detection within ~2 s.
+        with qtbot.waitSignal(sup.gave_up, timeout=3000) as gave_up:
+            pass
+    finally:
+        if _alive(hung):
+            os.kill(hung, signal.SIGCONT)
+    assert "stopped answering" in gave_up.args[0]
+    qtbot.waitUntil(lambda: not _alive(hung) or _zombie(hung), timeout=10000)
+    # Terminal: failed, shown with the reason, no restart scheduled, no third engine.
+    assert sup.phase == Phase.FAILED and sup._restart_task is None and sup.spawn_count == 2
+    assert app.model.engine.state == EngineState.FAILED
+    assert "stopped answering" in app.model.engine.detail
+    assert [err for _, _, err in app.notes] == [True, True, True]  # crash, crash, gave up
+    assert "restarted once already" in app.notes[-1][1]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def test_quit_takes_the_stop_receipt_then_ends_the_engine(supervised, tiny_model, qtbot):
+    app, sup = supervised, supervised.supervisor
+    healths: list[dict] = []
+    sup.health.connect(healths.append)
+    pid = _serve(app, qtbot, tiny_model)
+    # Load progress was shown while loading (the engine answers /health before its model is in).
+    assert any(h.get("state") == "loading" and h.get("load_progress") for h in healths)
+    started = time.monotonic()
+    receipt = run_async(qtbot, app.stop_serving(), timeout_ms=60000)
+    assert receipt and receipt.get("drain_complete") is True
+    assert not _alive(pid) and sup.phase == Phase.IDLE and sup.last_returncode is not None
+    assert app.model.engine.state == EngineState.STOPPED
+    assert any("stop receipt" in line for line in app.model.logs.lines)
+    receipts = list(Path(os.environ["XDG_STATE_HOME"]).rglob("*.json"))
+    assert len(receipts) == 1, receipts
+    assert time.monotonic() - started < 60
