@@ -129,6 +129,7 @@ def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.devi
     top_k = _top_k(model.config)
     cpu = resolve_cpu_layers(cpu_layers, store.num_layers, bank_bytes=store.total_bytes)
     residency = settle_host_banks(store.banks, cpu, dev)
+    store.banks_replaced()
     runtime = ExpertRuntime(store, device=dev, capacity=capacity, top_k=top_k, policy=policy,
                             qstar=qstar, cpu_layers=cpu, link_gbps=link_gbps, allocate=allocate)
     runtime.host_residency = [None if c is None else c.value for c in residency.achieved_labels()]

@@ -93,6 +93,7 @@ class ExpertRuntime:
                              throttle=self.throttle, allocate=allocate)
         self.slot_device = _TorchSlotDevice(self.pool)
         self.slots = ExpertSlots(self.slot_device, store)
+        self._slot_views = self._unpack_slots()
         self._lock = threading.RLock()
         self.window_steps = window_steps
         self._window: list[deque[tuple[int, int, int]]] = [deque(maxlen=window_steps)
@@ -164,12 +165,15 @@ class ExpertRuntime:
             if expert in on_cpu:
                 current = on_cpu[expert].to(hidden_states.device)
             else:
-                weights = (self.store.weights(layer, expert) if slot is None
-                           else unpack_row(self.pool.rows[slot], self.geometry))
+                weights = self.store.weights(layer, expert) if slot is None else self._slot_views[slot]
                 current = self._expert(module, weights, hidden_states[token_idx],
                                        top_k_weights[token_idx, top_k_pos, None])
             final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
         return final_hidden_states
+
+    def _unpack_slots(self) -> list[dict[str, torch.Tensor]]:
+        """Per-slot views of the pool's rows as the module's tensors (rebuilt when rows change)."""
+        return [unpack_row(self.pool.rows[slot], self.geometry) for slot in range(self.pool.capacity)]
 
     def _plan(self, layer: int, routed: list[int]):
         fetch_limit: int | Callable[[int], int] | None = None
@@ -303,6 +307,8 @@ class ExpertRuntime:
                     self.cache.forget_slot(slot)
                     self.slots.forget(slot)
                 raise
+            finally:
+                self._slot_views = self._unpack_slots()
             return {"old_capacity": old, "capacity": capacity, "kept": self.cache.resident_count,
                     "dropped": len(plan.dropped), "moved": len(plan.moves)}
 

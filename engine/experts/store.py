@@ -157,6 +157,7 @@ class ExpertStore:
             raise ExpertStoreError("mixed_geometry", f"MoE layers disagree on the expert size: {geoms}")
         self.row_numel = geoms.pop()
         self.num_experts = self.layers[0].num_experts
+        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     # --- construction ------------------------------------------------------------------
 
@@ -291,8 +292,16 @@ class ExpertStore:
         return self.banks[layer][expert]
 
     def weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """``(layer, expert)`` as the module's per-expert tensors (views into the bank)."""
-        return unpack_row(self.row(layer, expert), self.layers[layer].geometry)
+        """``(layer, expert)`` as the module's per-expert tensors (views into the bank, cached)."""
+        views = self._views.get((layer, expert))
+        if views is None:
+            views = self._views[(layer, expert)] = unpack_row(self.row(layer, expert),
+                                                              self.layers[layer].geometry)
+        return views
+
+    def banks_replaced(self) -> None:
+        """Drop cached views after ``banks`` entries were swapped (e.g. for pinned copies)."""
+        self._views.clear()
 
 
 def _aligned(numel: int) -> int:
