@@ -390,20 +390,24 @@ class _Horizon(_Ranker):
     size, so λ is chosen online among `LAMBDAS`: a few sampled layers each run one shadow
     cache per candidate λ (tags only, sized to the real layer's current share), counting
     the misses each would have had, with exponential forgetting. Every `PERIOD` sampled
-    calls the real cache switches to the candidate with the fewest shadow misses
-    (rebuilding its heaps, O(residents · log)). Shadows cost O(k · log E) per sampled call.
+    calls the real cache switches to the candidate with the fewest shadow misses if it beat
+    the active one by `MARGIN` (rebuilding its heaps, O(residents · log)). The shadows are
+    fixed-λ horizon caches (``"horizon@λ"``) over the sampled layers with their share of the
+    capacity, so they see the same cross-layer competition as the real pool.
     """
 
     name = "horizon"
     LAMBDAS = (0.02, 0.1, 0.3, 1.0)
     SAMPLED_LAYERS = 4
-    PERIOD = 32
-    FORGET = 0.98
+    PERIOD = 32  # sampled calls between decisions
+    FORGET = 0.995  # per sampled call: shadow miss counts look back ~200 sampled calls
+    MARGIN = 0.03  # switch only when a candidate missed ≥ 3 % less than the active λ
 
     def __init__(self, cache: ExpertCache) -> None:
         super().__init__(cache)
         n_layers, n = cache.num_layers, cache.num_layers * cache.num_experts
         self.crf = [[0.0] * n for _ in self.LAMBDAS]  # per candidate λ, at the last reference
+        self._log_decay = [-lam * math.log(2.0) for lam in self.LAMBDAS]  # CRF decay per visit, as ln
         self.last = [0] * n  # the layer's pass index at the last reference
         self.active = min(1, len(self.LAMBDAS) - 1)  # starts at 0.1, the best single λ measured
         self.key: list[float | None] = [None] * n  # heap key of a resident, None when not resident
@@ -411,7 +415,7 @@ class _Horizon(_Ranker):
         self.layer_count = [0] * n_layers
         # Dueling: one shadow cache per candidate λ over a few sampled layers, sized to
         # their share of the pool (only the adaptive policy has shadows; they have none).
-        samples = min(self.SAMPLED_LAYERS, max(1, n_layers // 4)) if len(self.LAMBDAS) > 1 else 0
+        samples = min(self.SAMPLED_LAYERS, n_layers) if len(self.LAMBDAS) > 1 else 0
         step = n_layers / samples if samples else 0
         sampled = sorted({min(n_layers - 1, int(step / 2 + i * step)) for i in range(samples)})
         self.sampled = {layer: j for j, layer in enumerate(sampled)}  # real layer → shadow layer
@@ -420,7 +424,12 @@ class _Horizon(_Ranker):
         self.shadow_misses = [0.0] * len(self.LAMBDAS)
         self.sampled_calls = 0
         self.switches = 0
-        self._heads: list[tuple[float, int] | None] | None = None  # per call: each layer's head
+        # Each layer's head (its unprotected expert with the lowest CRF) as a base score
+        # L·(1/r − 1), in a max-heap over layers, refreshed when the layer runs or loses an
+        # expert. A victim adds the distance term only for layers whose base is within L of
+        # the best, so it usually looks at a few layers instead of all.
+        self.base: list[float | None] = [None] * n_layers
+        self.base_heap: list[tuple[float, int]] = []  # (−base, layer), lazily invalidated
         self._dirty: set[int] = set()
 
     @property
@@ -431,10 +440,6 @@ class _Horizon(_Ranker):
         # log2 of the CRF, shifted so that it does not change while the layer is not visited.
         return math.log2(self.crf[i][flat]) + self.LAMBDAS[i] * self.last[flat]
 
-    def begin(self, layer: int) -> None:
-        self._heads = None
-        self._dirty.clear()
-
     def admit(self, flat: int) -> None:
         self.key[flat] = -math.inf  # placeholder until end(): routed now, protected this call
         self.layer_count[flat // self.c.num_experts] += 1
@@ -443,13 +448,12 @@ class _Horizon(_Ranker):
         self.key[flat] = None
         layer = flat // self.c.num_experts
         self.layer_count[layer] -= 1
-        self._dirty.add(layer)
+        self._dirty.add(layer)  # it may have been the head
 
     def _shadow_capacity(self, capacity: int) -> int:
         return max(1, round(capacity * len(self.sampled) / self.c.num_layers))
 
     def resize(self, capacity: int) -> None:
-        self._heads = None
         for shadow in self.shadows:
             shadow.resize(self._shadow_capacity(capacity))
 
@@ -464,11 +468,12 @@ class _Horizon(_Ranker):
             for i, shadow in enumerate(self.shadows):
                 misses = shadow.ensure(shadow_layer, ids).misses
                 self.shadow_misses[i] = self.shadow_misses[i] * self.FORGET + misses
+        last = self.last
+        for crf, rate in zip(self.crf, self._log_decay, strict=True):
+            for flat in flats:
+                crf[flat] = 1.0 + crf[flat] * math.exp(rate * (now - last[flat]))
         for flat in flats:
-            age = now - self.last[flat]
-            for i, lam in enumerate(self.LAMBDAS):
-                self.crf[i][flat] = 1.0 + self.crf[i][flat] * 2.0 ** (-lam * age)
-            self.last[flat] = now
+            last[flat] = now
         heap = self.heaps[layer]
         for flat in flats:
             if self.key[flat] is not None:
@@ -477,6 +482,7 @@ class _Horizon(_Ranker):
                 heapq.heappush(heap, (key, flat))
         if len(heap) > 4 * self.layer_count[layer] + 32:
             self._rebuild_layer(layer)
+        self._dirty.add(layer)  # its passes advanced: its head's rate changed
         if shadow_layer is not None:
             self.sampled_calls += 1
             if self.sampled_calls % self.PERIOD == 0:
@@ -485,12 +491,12 @@ class _Horizon(_Ranker):
     def _switch(self) -> None:
         """Adopt the candidate λ whose shadows missed least (ties keep the current one)."""
         best = min(range(len(self.LAMBDAS)), key=lambda i: (self.shadow_misses[i], i != self.active))
-        if best != self.active:
+        if self.shadow_misses[best] < self.shadow_misses[self.active] * (1.0 - self.MARGIN):
             self.active = best
             self.switches += 1
             for layer in range(len(self.heaps)):
                 self._rebuild_layer(layer)
-            self._heads = None
+            self._dirty = set(range(len(self.heaps)))
 
     def _rebuild_layer(self, layer: int) -> None:
         base = layer * self.c.num_experts
@@ -519,27 +525,50 @@ class _Horizon(_Ranker):
             heapq.heappush(heap, item)
         return found
 
-    def _score(self, layer: int, current: int, key: float) -> float:
-        c, lam = self.c, self.lam
-        rate = min(1.0, 2.0 ** (key - lam * c._passes[layer]) * (1.0 - 2.0 ** -lam))
-        dist = (layer - current) % c.num_layers or c.num_layers
-        return dist + c.num_layers * (1.0 / rate - 1.0) if rate > 0 else math.inf
+    def _base(self, layer: int, key: float) -> float:
+        """``L · (1/r − 1)`` for a head with heap ``key``: the horizon without the distance term."""
+        lam = self.lam
+        rate = min(1.0, 2.0 ** (key - lam * self.c._passes[layer]) * (1.0 - 2.0 ** -lam))
+        return self.c.num_layers * (1.0 / rate - 1.0) if rate > 0 else math.inf
+
+    def _refresh(self, layer: int) -> None:
+        head = self._head(layer, set())
+        base = None if head is None else self._base(layer, head[0])
+        self.base[layer] = base
+        if base is not None:
+            heapq.heappush(self.base_heap, (-base, layer))
 
     def victim(self, layer: int, protected: set[int]) -> int | None:
         n_layers = self.c.num_layers
-        if self._heads is None:
-            self._heads = [None] * n_layers
-            self._dirty = set(range(n_layers))
-        heads = self._heads
         for m in self._dirty:
-            head = self._head(m, protected)
-            heads[m] = None if head is None else (self._score(m, layer, head[0]), head[1])
+            self._refresh(m)
         self._dirty.clear()
-        best = None
-        for head in heads:
-            if head is not None and (best is None or head[0] > best[0]):
-                best = head
-        return None if best is None else best[1]
+        if len(self.base_heap) > 4 * n_layers + 16:
+            self.base_heap = [(-b, m) for m, b in enumerate(self.base) if b is not None]
+            heapq.heapify(self.base_heap)
+        best_score, best_flat = -math.inf, None
+        own = self._head(layer, protected)  # the current layer may hold protected experts
+        if own is not None:
+            best_score, best_flat = self._base(layer, own[0]) + n_layers, own[1]
+        aside = []
+        while self.base_heap:
+            neg, m = self.base_heap[0]
+            if self.base[m] != -neg or m == layer:
+                item = heapq.heappop(self.base_heap)
+                if m == layer and self.base[m] == -neg:
+                    aside.append(item)
+                continue
+            if -neg + n_layers <= best_score:
+                break  # no layer below can beat the best, whatever its distance
+            aside.append(heapq.heappop(self.base_heap))
+            score = -neg + ((m - layer) % n_layers or n_layers)
+            if score > best_score:
+                head = self._head(m, protected)
+                if head is not None:
+                    best_score, best_flat = score, head[1]
+        for item in aside:
+            heapq.heappush(self.base_heap, item)
+        return best_flat
 
     def fetch_priority(self, flat: int) -> tuple:
         layer = flat // self.c.num_experts
@@ -704,7 +733,9 @@ class ExpertCache:
         hits = len(distinct) - len(missed)
 
         ranker = self._ranker
-        missed.sort(key=lambda e: (tuple(-v for v in ranker.fetch_priority(base + e)), e))
+        if budget < len(missed) or len(distinct) > self._capacity:
+            # Not every miss gets a slot: the policy's most valuable misses go first.
+            missed.sort(key=lambda e: (tuple(-v for v in ranker.fetch_priority(base + e)), e))
         copies: list[tuple[int, int]] = []
         evicted: list[tuple[int, int]] = []
         bypassed: list[int] = []
@@ -854,8 +885,11 @@ class ExpertCache:
                                layer=layer, num_layers=self.num_layers)
 
     def _check_experts(self, layer: int, experts: Sequence[int]) -> None:
+        n = self.num_experts
         for e in experts:
-            if not _is_int(e) or not 0 <= e < self.num_experts:
+            if type(e) is int and 0 <= e < n:
+                continue  # the common case, checked without a call
+            if not _is_int(e) or not 0 <= e < n:
                 raise CacheRefused("expert_out_of_range", f"expert {e!r} of layer {layer} not in "
                                    f"[0, {self.num_experts})", layer=layer, expert=e,
                                    num_experts=self.num_experts)
