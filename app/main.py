@@ -24,8 +24,10 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from moetray.policy import wire
@@ -96,8 +98,13 @@ def prepare(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     return Prepared(args.hidden, args.attach, token, args.no_tray, args.settings)
 
 
-async def start_app(qapp, settings, prepared: Prepared, single, sentinel: asyncio.Future[int] | None = None):
-    """Phase two, on the running qasync loop; returns the exit code. ``sentinel`` is for tests."""
+async def start_app(qapp, settings, prepared: Prepared, single, sentinel: asyncio.Future[int] | None = None,
+                    started: Callable[[Any], None] | None = None):
+    """Phase two, on the running qasync loop; returns the exit code.
+
+    ``sentinel`` (a future to await instead of a fresh one) and ``started`` (called with
+    the app once it runs) let a test drive the real bootstrap.
+    """
     from moetray.app import compat
     from moetray.app.application import AppOptions, MoetrayApp
 
@@ -117,6 +124,8 @@ async def start_app(qapp, settings, prepared: Prepared, single, sentinel: asynci
     signals = compat.install_exit_signals(shutdown)
     single.message_received.connect(lambda message: app.open_dashboard() if message == "show" else None)
     await app.start()
+    if started is not None:
+        started(app)
     try:
         code = await sentinel
     finally:

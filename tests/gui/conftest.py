@@ -25,9 +25,10 @@ def tiny_model(tiny_moe):
     return tiny_moe("qwen3_moe", "per_expert")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dashboard_engine(tiny_model, tmp_path_factory):
-    """One engine for the dashboard tests: half the experts resident, a slow link, small pools.
+    """One engine for the dashboard and real-X tests: 10 of 16 experts resident, a slow link,
+    small pools.
 
     ``--budget-bytes`` keeps the pools small enough that the slider's range is a real
     trade; ``--rebuild-idle-timeout`` keeps a re-split refused under load quick.

@@ -1,0 +1,109 @@
+"""Runs the real tray (``start_app``, the same bootstrap as ``moetray``) on an X server and
+reports what a user would see, for ``test_real_x_tray.py``.
+
+Usage: ``python xvfb_driver.py OUT_DIR MODEL_DIR TAB [TAB …]`` with ``DISPLAY`` set and
+``QT_QPA_PLATFORM=xcb``. The tray starts serving MODEL_DIR itself (supervised, small pools)
+and writes ``OUT_DIR/serving.json`` (API URL, engine pid); once ``traffic-done`` exists it
+writes ``report.json`` (tray availability, visibility, geometry, the menu as rebuilt on
+open), then for each TAB
+shows the dashboard on that tab, writes ``ready-<i>`` and waits for ``shot-<i>`` (the test
+takes a root-window screenshot meanwhile); then opens the tray menu, writes
+``ready-menu``, waits for ``shot-menu``, and quits through the app's own Quit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from PySide6.QtCore import QPoint
+from PySide6.QtWidgets import QApplication, QSystemTrayIcon
+
+from moetray.app import compat
+from moetray.app.main import Prepared, start_app
+from moetray.app.settings import Settings
+from moetray.app.single_instance import SingleInstance, server_name
+from moetray.app.tray import menu_texts
+from moetray.ui.viewmodels import EngineState
+
+
+async def wait_file(path: Path, timeout_s: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not path.exists():
+        if loop.time() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        await asyncio.sleep(0.05)
+
+
+async def wait_until(condition, timeout_s: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        if loop.time() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.05)
+
+
+async def drive(app, out: Path, model: str, tabs: list[str]) -> None:
+    try:
+        app.start_serving(model)
+        await wait_until(lambda: app.model.engine.state == EngineState.SERVING, timeout_s=240)
+        (out / "serving.json").write_text(json.dumps({"api_url": app.model.engine.api_url,
+                                                      "pid": app.supervisor.pid}))
+        await wait_file(out / "traffic-done", timeout_s=240)
+        await wait_until(lambda: app.model.snapshots >= 3)
+        tray = app.tray
+        report = {"tray_available": QSystemTrayIcon.isSystemTrayAvailable(), "tray": tray is not None}
+        if tray is not None:
+            tray.rebuild_menu()  # what aboutToShow does when the user opens it
+            geometry = tray.icon.geometry()
+            report.update(visible=tray.icon.isVisible(), state=tray.state.value, variant=tray.variant,
+                          geometry=[geometry.x(), geometry.y(), geometry.width(), geometry.height()],
+                          menu=menu_texts(tray.menu), tooltip=tray.icon.toolTip())
+        (out / "report.json").write_text(json.dumps(report, indent=1))
+        app.open_dashboard()
+        window = app.window
+        window.move(0, 30)
+        window.resize(1100, 760)
+        for i, tab in enumerate(tabs):
+            window.show_tab(tab)
+            await asyncio.sleep(1.2)  # one more event so the charts have moved
+            (out / f"ready-{i}").touch()
+            await wait_file(out / f"shot-{i}")
+        if tray is not None:
+            window.hide()
+            geometry = tray.icon.geometry()
+            tray.menu.popup(QPoint(max(0, geometry.x() - 220), geometry.bottom() + 2))
+            await asyncio.sleep(0.5)
+            (out / "ready-menu").touch()
+            await wait_file(out / "shot-menu")
+            tray.menu.hide()
+    except Exception as exc:  # noqa: BLE001 - the test reads this file
+        (out / "error.txt").write_text(repr(exc))
+    finally:
+        app.quit()
+
+
+def main(argv: list[str]) -> int:
+    out, model, *tabs = argv
+    out_dir = Path(out)
+    qapp = QApplication(sys.argv[:1])
+    compat.prepare_qt(qapp)
+    settings = Settings.at(out_dir / "moetray.conf")
+    settings.engine_args = ["--budget-bytes", str(4 * 1024 * 1024), "--moe-capacity", "10",
+                            "--link-gbps", "0.01"]
+    single = SingleInstance(server_name(settings.path))
+    single.listen()
+    prepared = Prepared(hidden=True, attach=None, admin_token=None, no_tray=False, settings_file=None)
+
+    def started(app) -> None:
+        app.spawn(drive(app, out_dir, model, tabs))
+
+    return compat.run(qapp, lambda: start_app(qapp, settings, prepared, single, started=started))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
