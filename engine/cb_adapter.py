@@ -30,6 +30,7 @@ import logging
 import math
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -458,6 +459,8 @@ class RadixScheduler(FIFOScheduler):
         return self.free_block_count() >= floor
 
     def schedule_batch(self, token_budget, cache_budget):
+        if self.hooks is not None:
+            self.hooks.before_step()
         ledger = self._ledger
         if ledger is None:
             return super().schedule_batch(token_budget, cache_budget)
@@ -505,6 +508,13 @@ class _SchedulerHooks:
 
     def __init__(self, runner: BatchRunner) -> None:
         self._runner = runner
+
+    def before_step(self) -> None:
+        """Test hook: hold every step for ``step_delay_s`` (sleeping), so requests last long enough
+        to be cancelled, drained or waited on in tests. Zero (the default) costs nothing."""
+        delay = self._runner.config.step_delay_s
+        if delay > 0:
+            time.sleep(delay)
 
     def prefix_matched(self, request_id: str, tokens: int) -> None:
         self._runner._cached_tokens[request_id] = tokens
@@ -630,6 +640,7 @@ class RunnerConfig:
     anchor_token: int | None = None
     anchor_state_factory: Callable[[], Any] | None = None
     radix_factory: Callable[[int], Any] | None = None
+    step_delay_s: float = 0.0  # test hook (see _SchedulerHooks.before_step)
 
     def __post_init__(self) -> None:
         if self.prefix_policy not in PREFIX_POLICIES:

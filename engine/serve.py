@@ -86,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
         help="seconds a re-split waits for running requests",
     )
     p.add_argument("--test-hooks", action="store_true", help="enable the forced-token test hook (tests only)")
+    p.add_argument("--test-step-delay-ms", type=float, default=0.0,
+                   help="with --test-hooks: hold every batch step this long (tests only)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -123,6 +126,7 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         outbox_dir=args.outbox_dir,
         rebuild_idle_timeout_s=args.rebuild_idle_timeout,
         test_hooks=args.test_hooks,
+        test_step_delay_s=args.test_step_delay_ms / 1000.0,
     )
 
 
@@ -137,13 +141,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(engine: Engine, credentials: Credentials, hosts: HostPolicy, *, log_level: str = "info"):
+def make_server(engine: Engine, credentials: Credentials, hosts: HostPolicy, *, log_level: str = "info",
+                load_on_startup: bool = True):
     """A uvicorn server for the engine's app (call ``.run(sockets=[sock])``)."""
     import uvicorn
 
     from moetray.engine.server import build_app
 
-    app = build_app(engine, credentials, hosts)
+    app = build_app(engine, credentials, hosts, load_on_startup=load_on_startup)
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, timeout_keep_alive=30)
     return uvicorn.Server(config)
 
@@ -158,6 +163,10 @@ def main(argv: list[str]) -> int:
     except BindRefused as exc:
         print(f"moetray serve: {exc}", file=sys.stderr)
         return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     options = options_from(args)
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]

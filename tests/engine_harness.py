@@ -31,6 +31,7 @@ class LiveEngine:
         api_key: str | None = None,
         allowed_hosts: tuple[str, ...] = (),
         wait: bool = True,
+        load: bool = True,
         **options,
     ) -> None:
         defaults = dict(
@@ -46,14 +47,18 @@ class LiveEngine:
         self.engine = Engine(EngineOptions(model_dir=model_dir, **defaults))
         self.credentials = Credentials(admin_token=ADMIN_TOKEN, api_key=api_key, token_file=None)
         self.server = make_server(
-            self.engine, self.credentials, HostPolicy(frozenset(allowed_hosts)), log_level="warning"
+            self.engine,
+            self.credentials,
+            HostPolicy(frozenset(allowed_hosts)),
+            log_level="warning",
+            load_on_startup=load,
         )
         sock = bind_socket("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        if wait:
+        if wait and load:
             self.wait_state({"serving"})
 
     def client(self, **kw) -> httpx.Client:
