@@ -200,6 +200,45 @@ PUBLISHED_CURVES: dict[str, dict[float, float]] = {
 }
 
 
+RANDOM_INIT_TEXT = (
+    "Mixture-of-experts language models route every token to a few experts in each layer. "
+    "On a personal machine the experts live in host memory and a small cache of them lives on "
+    "the device, so which experts stay resident decides how many bytes cross the link per token. "
+    "A policy that predicts the next use of each expert well keeps the link quiet; one that "
+    "mistakes a cyclic sweep over the layers for recency evicts exactly what the next layer needs. "
+)
+
+
+def random_init_trace(tokens: int = 256, seed: int = 0) -> Trace:
+    """Teacher-forced routing of English text (as byte tokens) through a random-init
+    Qwen3-MoE (8 layers, 64 experts, top-8): the negative control. Random routers route far
+    too repetitively, so every policy looks near-perfect on it."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                            num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=64, num_experts_per_tok=8, max_position_embeddings=2048,
+                            decoder_sparse_step=1, mlp_only_layers=[])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    text = (RANDOM_INIT_TEXT * (tokens // len(RANDOM_INIT_TEXT) + 1)).encode()[:tokens]
+    routed: list[list[tuple[int, ...]]] = [[] for _ in range(config.num_hidden_layers)]
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        def record(module, args, output, i=i):
+            routed[i].extend(tuple(int(e) for e in row) for row in output[2].tolist())
+        hooks.append(layer.mlp.gate.register_forward_hook(record))
+    with torch.no_grad():
+        model(torch.tensor([list(text)]))
+    for h in hooks:
+        h.remove()
+    steps = [[routed[layer][t] for layer in range(config.num_hidden_layers)] for t in range(len(text))]
+    return Trace("random-init-qwen3moe", "random_init", config.num_hidden_layers, config.num_experts,
+                 config.num_experts_per_tok, steps, {"tokens": len(text), "seed": seed,
+                                                     "note": "negative control: random routers"})
+
+
 def calibrated_trace(name: str, num_layers: int = 16, tokens: int = 600, seed: int = 1) -> Trace:
     spec = {k: v for k, v in CALIBRATED[name].items() if k != "curve"}
     trace = synthetic_trace(name, num_layers, tokens=tokens, seed=seed, alpha_spread=0.1, **spec)
@@ -359,8 +398,14 @@ def run_static_oracle(trace: Trace, capacity: int) -> SimResult:
 
 
 def capacity_points(trace: Trace) -> list[tuple[str, int]]:
-    """``(label, slots)``: the fractions of layers × experts, then multiples of layers × top_k."""
+    """``(label, slots)``: the fractions of layers × experts, then multiples of layers × top_k.
+
+    The cyclic sweep is trivial once every routed expert fits (capacity ≥ layers × top_k),
+    so for it the points are fractions of layers × top_k instead."""
     total = trace.num_layers * trace.num_experts
+    if trace.source == "cyclic":
+        lk = trace.num_layers * trace.top_k
+        return [(f"{round(f * 100)}%Lk", max(trace.top_k, round(f * lk))) for f in (0.25, 0.5, 0.75, 0.9)]
     points = [(f"{round(f * 100)}%", max(1, round(f * total))) for f in CAPACITY_FRACTIONS]
     points += [(f"{m}×Lk", m * trace.num_layers * trace.top_k) for m in TOPK_MULTIPLES
                if m * trace.num_layers * trace.top_k < total]
@@ -431,10 +476,11 @@ def calibrate(name: str, tokens: int = 600, seed: int = 1) -> dict[str, Any]:
 
 
 def default_traces(quick: bool, traces_dir: Path) -> list[Trace]:
-    tokens = 200 if quick else 600
+    tokens = 200 if quick else 800
     layers = 8 if quick else 16
     traces = [calibrated_trace(name, num_layers=layers, tokens=tokens) for name in CALIBRATED]
     traces.append(cyclic_trace(layers, 64, 8, 60 if quick else 120))
+    traces.append(random_init_trace(128 if quick else 256))
     for path in sorted(traces_dir.glob("*.json")) if traces_dir.is_dir() else []:
         trace = load_trace_json(path)
         traces.append(trace.head(400) if quick else trace)

@@ -15,11 +15,15 @@ per layer; the global figures are their sums, exactly.
 Policies (``policy=``):
 
 - ``"horizon"`` (the default, :data:`DEFAULT_POLICY`): evicts the resident expert whose
-  next use is predicted farthest away, in global layer-call positions. Each layer keeps its
-  experts in recency order; a layer's least recent expert is predicted to come back after
-  ``age`` more visits of its layer plus the distance to that layer's next visit. Comparing
-  those horizons across layers is what a single global LRU cannot do: a global LRU evicts
-  the layer that runs next, which is why it hits 0 % once ``capacity < layers × top_k``.
+  next use is predicted farthest away, in global layer-call positions. The prediction
+  combines each expert's reuse rate (a decayed routing count, LRFU-style, whose decay λ is
+  picked online by shadow caches: frequency when the pool is small, recency when it is
+  large) with the distance to its layer's next visit. The distance term is what a single
+  global LRU lacks: it evicts the layer that runs next, which is why it hits 0 % once
+  ``capacity < layers × top_k``. ``"horizon@<λ>"`` fixes λ (one of
+  ``_Horizon.LAMBDAS``; an ablation, not listed in `POLICIES`).
+- ``"layer_aware_lru"``: the horizon with recency alone (age in visits of the layer plus
+  the distance to its next visit); an ablation.
 - ``"lru"``: plain global LRU over all layers (FreeToken's policy); collapses to 0 % hits
   on the cyclic layer sweep when ``capacity < layers × top_k``.
 - ``"layer_lru"``: LRU inside a fixed per-layer share of the pool (``capacity // L`` each,
@@ -195,6 +199,10 @@ class _Ranker:
 
     def resize(self, capacity: int) -> None:
         """The pool size changes to ``capacity`` (after the shrink's evictions)."""
+
+    def info(self) -> dict[str, object]:
+        """The policy's own state worth showing (read-only)."""
+        return {}
 
 
 class _GlobalLRU(_Ranker):
@@ -488,6 +496,11 @@ class _Horizon(_Ranker):
             if self.sampled_calls % self.PERIOD == 0:
                 self._switch()
 
+    def info(self) -> dict[str, object]:
+        return {"lambda": self.lam, "switches": self.switches,
+                "shadow_misses": dict(zip(self.LAMBDAS, (round(m, 3) for m in self.shadow_misses),
+                                          strict=True))}
+
     def _switch(self) -> None:
         """Adopt the candidate λ whose shadows missed least (ties keep the current one)."""
         best = min(range(len(self.LAMBDAS)), key=lambda i: (self.shadow_misses[i], i != self.active))
@@ -638,6 +651,11 @@ class ExpertCache:
     @property
     def resident_count(self) -> int:
         return len(self._slot_of)
+
+    def policy_info(self) -> dict[str, object]:
+        """The policy's adaptive state, e.g. horizon's current ``lambda`` and ``switches``;
+        empty for the fixed policies. Mutates nothing."""
+        return {"policy": self.policy, **self._ranker.info()}
 
     def slot_of(self, layer: int, expert: int) -> int | None:
         """The slot holding ``(layer, expert)``, or None. Mutates nothing; refuses out-of-range ids."""

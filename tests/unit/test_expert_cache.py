@@ -357,3 +357,36 @@ def test_enough_slots_means_no_cpu_fallback(policy, k, layers, capacity, seq):
         share = capacity if policy != "layer_lru" else capacity // layers + (layer < capacity % layers)
         if len(set(experts)) <= share:
             assert plan.bypassed == ()
+
+
+# --- horizon's online choice between frequency and recency ------------------------------
+
+
+def drifting(t: int, layer: int) -> list[int]:
+    # A window of experts that slides forward and never comes back: only recency helps.
+    return [(t // 3 + j + 5 * layer) % 64 for j in range(4)]
+
+
+def alternating_hot_and_noise(t: int, layer: int) -> list[int]:
+    # Four hot experts, each routed every other token, plus two from a large cold pool.
+    # Recency alone (λ = 1) evicts a hot expert while it waits for its turn; a longer memory
+    # keeps it.
+    return [2 * (t % 2), 1 + 2 * (t % 2), 4 + (t * 7 + layer * 13) % 60, 4 + (t * 11 + layer * 5) % 60]
+
+
+def test_horizon_moves_to_recency_when_popularity_drifts_and_back_when_it_holds():
+    cache = ExpertCache(4, 64, 20)
+    sweep(cache, 300, drifting)
+    assert cache.policy_info()["lambda"] >= 0.3 and cache.policy_info()["switches"] >= 1
+    cache.reset_stats()
+    sweep(cache, 600, alternating_hot_and_noise)
+    assert cache.policy_info()["lambda"] <= 0.3
+    # horizon@1.0 gets 0.27 on this phase alone, the longer memories 0.50
+    assert cache.stats().hit_rate >= 0.45
+
+
+def test_fixed_lambda_variants_are_accepted_but_not_listed():
+    cache = ExpertCache(2, 4, 2, policy="horizon@1.0")
+    assert cache.policy == "horizon@1.0" and "horizon@1.0" not in POLICIES
+    assert cache.policy_info() == {"policy": "horizon@1.0", "lambda": 1.0, "switches": 0,
+                                   "shadow_misses": {1.0: 0.0}}
