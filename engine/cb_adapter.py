@@ -49,6 +49,9 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
 from transformers.generation.logits_process import LogitsProcessorList
 
+from moetray.policy.anchor import AnchorRetention, AnchorState
+from moetray.policy.radix import RadixCache
+
 log = logging.getLogger("moetray.engine.cb")
 
 RADIX_SCHEDULER = "moetray_radix"
@@ -246,18 +249,22 @@ class RadixLedger(BlockLedger):
       remains the only one that frees it (and the requeued request can re-match it).
     """
 
-    def __init__(self, radix_factory: Callable[[], Any], page_size: int) -> None:
+    def __init__(self, page_size: int, *, anchor_max_held_tokens: int = 0) -> None:
         super().__init__()
         self.page_size = page_size
-        self._radix_factory = radix_factory
-        self.radix = radix_factory()
+        self.anchor_max_held_tokens = anchor_max_held_tokens
+        self.radix = RadixCache(page_size, slot_unit="page")
+        self.retention = AnchorRetention(self.radix, anchor_max_held_tokens)
         self.tree_blocks: set[int] = set()
         self.demand: Callable[[], int] | None = None  # blocks the pressure at hand needs
         self.evictions: list[list[int]] = []  # block ids freed per eviction (page-identity tests)
+        self.anchor_outcomes: dict[str, int] = {}  # HoldOutcome value -> count
+        self.anchors_released = {"turn": 0, "pressure": 0, "bound": 0}
 
     def reset(self) -> None:
         super().reset()
-        self.radix = self._radix_factory()
+        self.radix = RadixCache(self.page_size, slot_unit="page")
+        self.retention = AnchorRetention(self.radix, self.anchor_max_held_tokens)
         self.tree_blocks = set()
 
     def release(self, block_id: int, no_cache: bool = False) -> bool:
@@ -386,8 +393,10 @@ class RadixScheduler(FIFOScheduler):
         """Evict ``n_blocks`` through radix; anchors give way only if that is not enough."""
         if n_blocks <= 0:
             return 0
-        if ledger.evictable_blocks < n_blocks and self.hooks is not None:
-            self.hooks.release_anchors_under_pressure(ledger, n_blocks - ledger.evictable_blocks)
+        if ledger.evictable_blocks < n_blocks:
+            # Memory pressure outranks retention: anchors give way, oldest first.
+            released = ledger.retention.make_room(n_blocks * ledger.page_size)
+            ledger.anchors_released["pressure"] += len(released)
         freed = ledger.evict_blocks(n_blocks)
         if freed:
             self.cache.pool.free_blocks(self._allocator.index, freed)
@@ -520,90 +529,29 @@ class _SchedulerHooks:
         self._runner._cached_tokens[request_id] = tokens
 
     def prefix_reused(self, ledger: RadixLedger, prompt: list[int]) -> None:
-        self._runner.anchors.release_matching(ledger, prompt)
+        """The new request locked its matched prefix: holds waiting for this turn are done."""
+        ledger.anchors_released["turn"] += len(ledger.retention.on_turn(prompt))
 
     def request_finishing(self, ledger: RadixLedger, state) -> None:
-        self._runner.anchors.retain(ledger, state)
-
-    def release_anchors_under_pressure(self, ledger: RadixLedger, n_blocks: int) -> None:
-        self._runner.anchors.release_under_pressure(ledger, n_blocks)
-
-
-# --- anchors ----------------------------------------------------------------------------------
-
-
-@dataclass
-class _Anchor:
-    tokens: list[int]
-    node: Any
-
-
-class AnchorKeeper:
-    """Retains each finished turn's prefix up to its tool-call opener, via a radix lock.
-
-    The anchor position is found by ``policy.anchor.AnchorState`` over the turn's generated
-    tokens; the locked prefix is the prompt plus generated tokens up to and including the
-    opener, cut down to whole pages. The lock is soft: released when the next turn arrives
-    (a prompt that reuses the anchored prefix) or when memory pressure needs the pages,
-    oldest anchor first. Runs on the generation thread only.
-    """
-
-    def __init__(self, anchor_token: int | None, anchor_state_factory: Callable[[], Any] | None) -> None:
-        self.anchor_token = anchor_token
-        self._factory = anchor_state_factory
-        self.anchors: list[_Anchor] = []
-        self.retained_total = 0
-        self.released_by_turn = 0
-        self.released_by_pressure = 0
-
-    def retain(self, ledger: RadixLedger, state) -> None:
-        if self.anchor_token is None or self._factory is None:
+        """A finished turn that emitted the tool-call opener keeps its prefix up to it, locked."""
+        anchor_token = self._runner.config.anchor_token
+        if anchor_token is None:
             return
-        tracker = self._factory()
+        tracker = AnchorState()
         prompt_len = len(state.initial_tokens)
         generated = state.generated_tokens
-        anchor_len = None
+        eos = set(self._runner.config.eos_token_ids)
         for i, token in enumerate(generated):
-            finished = i == len(generated) - 1 and token in state._eos_token_ids  # noqa: SLF001
-            if tracker.observe(token, self.anchor_token, prompt_len + i + 1, finished):
-                anchor_len = tracker.anchor_len
+            finished = i == len(generated) - 1 and token in eos
+            if tracker.observe(token, anchor_token, prompt_len + i + 1, finished):
                 break
-        if anchor_len is None:
+        if tracker.anchor_len is None:
             return
-        p = ledger.page_size
-        keep = (anchor_len // p) * p
-        if keep <= 0:
-            return
-        tokens = (state.initial_tokens + generated)[:keep]
-        cached_len, node = ledger.radix.match_prefix(tokens)
-        if cached_len < keep:
-            return  # the blocks up to the opener were never completed: nothing to keep
-        ledger.radix.lock(node)
-        self.anchors.append(_Anchor(tokens=tokens, node=node))
-        self.retained_total += 1
-
-    def release_matching(self, ledger: RadixLedger, prompt: list[int]) -> None:
-        """The next turn arrived: an anchor whose prefix this prompt reuses has done its job."""
-        keep = []
-        for anchor in self.anchors:
-            n = len(anchor.tokens)
-            if len(prompt) >= n and prompt[:n] == anchor.tokens:
-                ledger.radix.unlock(anchor.node)
-                self.released_by_turn += 1
-            else:
-                keep.append(anchor)
-        self.anchors = keep
-
-    def release_under_pressure(self, ledger: RadixLedger, n_blocks: int) -> None:
-        """Memory pressure reclaims anchors, oldest first, until ``n_blocks`` could be evictable."""
-        target = ledger.evictable_blocks + n_blocks
-        while self.anchors and ledger.evictable_blocks < target:
-            anchor = self.anchors.pop(0)
-            ledger.radix.unlock(anchor.node)
-            self.released_by_pressure += 1
-
-    def clear(self) -> None:
-        self.anchors = []
+        ids = state.initial_tokens + generated
+        decision = ledger.retention.hold(ids, tracker.anchor_len)
+        key = decision.outcome.value
+        ledger.anchor_outcomes[key] = ledger.anchor_outcomes.get(key, 0) + 1
+        ledger.anchors_released["bound"] += len(decision.released)
 
 
 # --- the runner -------------------------------------------------------------------------------
@@ -637,16 +585,13 @@ class RunnerConfig:
     prefix_policy: str = "radix"
     eos_token_ids: tuple[int, ...] = ()
     safety_margin: float = 0.15
-    anchor_token: int | None = None
-    anchor_state_factory: Callable[[], Any] | None = None
-    radix_factory: Callable[[int], Any] | None = None
+    anchor_token: int | None = None  # the single-token tool-call opener (policy.anchor)
+    anchor_max_held_tokens: int | None = None  # None: half the pool's tokens
     step_delay_s: float = 0.0  # test hook (see _SchedulerHooks.before_step)
 
     def __post_init__(self) -> None:
         if self.prefix_policy not in PREFIX_POLICIES:
             raise ValueError(f"prefix_policy must be one of {PREFIX_POLICIES}, got {self.prefix_policy!r}")
-        if self.prefix_policy == "radix" and self.radix_factory is None:
-            raise ValueError("prefix_policy='radix' needs a radix_factory")
 
 
 def kv_bytes_per_page(config, *, page_size: int, dtype: torch.dtype) -> int:
@@ -715,7 +660,6 @@ class BatchRunner:
         self.config = config
         self.manager: ContinuousBatchingManager | None = None
         self._cached_tokens: dict[str, int] = {}
-        self._anchors = AnchorKeeper(config.anchor_token, config.anchor_state_factory)
         self._handlers: dict[str, Handler] = {}
         self._lock = threading.Lock()
 
@@ -754,7 +698,10 @@ class BatchRunner:
                 if list(cache.cache_allocators) != ["full_attention"]:
                     raise ValueError("radix prefix reuse needs a full-attention-only model")
                 allocator = cache.cache_allocators["full_attention"]
-                allocator.ledger = RadixLedger(lambda: cfg.radix_factory(cfg.page_size), cfg.page_size)
+                held = cfg.anchor_max_held_tokens
+                if held is None:
+                    held = cfg.kv_pages * cfg.page_size // 2
+                allocator.ledger = RadixLedger(cfg.page_size, anchor_max_held_tokens=held)
             processor.scheduler.hooks = _SchedulerHooks(self)
             manager.start()
         except BaseException:
@@ -777,7 +724,6 @@ class BatchRunner:
             manager.stop(block=True, timeout=timeout)
         manager.batch_processor = None
         manager.destroy()
-        self._anchors.clear()
 
     @property
     def running(self) -> bool:
@@ -884,10 +830,6 @@ class BatchRunner:
             return None
         return next(iter(processor.cache.cache_allocators.values())).ledger
 
-    @property
-    def anchors(self) -> AnchorKeeper:
-        return self._anchors
-
     def kv_stats(self) -> KVStats | None:
         processor = self.manager.batch_processor if self.manager else None
         if processor is None:
@@ -950,6 +892,7 @@ class BatchRunner:
             ledger = allocator.ledger
             if isinstance(ledger, RadixLedger):
                 ledger.radix.check_integrity()
+                ledger.retention.check_integrity()
                 assert cached <= ledger.tree_blocks, (
                     f"cached blocks outside the tree: {sorted(cached - ledger.tree_blocks)}"
                 )
@@ -960,7 +903,6 @@ class BatchRunner:
 
 __all__ = [
     "PREFIX_POLICIES",
-    "AnchorKeeper",
     "BatchRunner",
     "KVStats",
     "LiveRequest",

@@ -20,7 +20,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from moetray.policy.anchor import resolve_anchor_token
 from moetray.policy.detokenize import IncrementalDetokenizer
+from moetray.policy.effort import (
+    EffortProfile,
+    ThinkingProfile,
+    probe_effort,
+    probe_thinking,
+    template_kwargs_for_request,
+)
 from moetray.policy.parser import (
     ReasoningFormat,
     ReasoningParser,
@@ -31,6 +39,7 @@ from moetray.policy.parser import (
     infer_tool_call_format,
     prompt_opens_reasoning,
 )
+from moetray.policy.turn import end_of_turn_stops, probe_end_of_turn
 
 log = logging.getLogger("moetray.engine.chat")
 
@@ -170,15 +179,19 @@ class ChatSupport:
     reasoning_format: ReasoningFormat | None
     tool_format: ToolCallFormat | None
     end_of_turn: str | None = None
-    effort: Any = None  # policy.effort probe result, when the template consumes an effort control
+    turn_stops: tuple[str, ...] = ()
+    effort: EffortProfile = field(default_factory=EffortProfile.inert)
+    thinking: ThinkingProfile = field(default_factory=ThinkingProfile)
     anchor_token: int | None = None
-    anchor_state_factory: Any = None
     special_ids: frozenset[int] = frozenset()
-    eos_texts: frozenset[str] = frozenset()
 
     @classmethod
     def probe(cls, tokenizer, info, *, eos_ids: Sequence[int] = ()) -> ChatSupport:
-        """Learn the template's formats by rendering; fall back to the checkpoint's identity."""
+        """Learn the template by rendering: formats, end of turn, effort and thinking, the anchor token.
+
+        Formats fall back to the checkpoint's identity when the template renders no markup;
+        a ``moetray.json`` sidecar may name them explicitly.
+        """
         identity = " ".join(
             str(x) for x in (info.model_id, info.architecture, info.sidecar.get("family", ""))
         )
@@ -188,16 +201,35 @@ class ChatSupport:
         reasoning = _probe_reasoning_format(tokenizer) or infer_reasoning_format(identity)
         if info.sidecar.get("reasoning_format"):
             reasoning = ReasoningFormat.parse(info.sidecar["reasoning_format"])
+        render = _renderer(tokenizer)
+        eos_text = tokenizer.eos_token
+        end_of_turn = probe_end_of_turn(render, tokenizer.bos_token, eos=eos_text)
+        anchor = None
+        if tool_format is not None:
+            anchor = resolve_anchor_token(
+                tool_format.opener(), lambda s: tokenizer.encode(s, add_special_tokens=False)
+            )
         special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(eos_ids)
-        eos_texts = frozenset(tokenizer.convert_ids_to_tokens(list(eos_ids))) if eos_ids else frozenset()
         support = cls(
             tokenizer=tokenizer,
             reasoning_format=reasoning,
             tool_format=tool_format,
+            end_of_turn=end_of_turn,
+            turn_stops=end_of_turn_stops(end_of_turn, eos_text),
+            effort=probe_effort(render),
+            thinking=probe_thinking(render),
+            anchor_token=anchor,
             special_ids=frozenset(special),
-            eos_texts=eos_texts,
         )
-        log.info("chat template: tools=%s reasoning=%s", tool_format, reasoning)
+        log.info(
+            "chat template: tools=%s reasoning=%s end_of_turn=%r effort=%s thinking=%s anchor=%s",
+            tool_format,
+            reasoning,
+            end_of_turn,
+            [e.value for e in support.effort.supported],
+            support.thinking.default,
+            anchor,
+        )
         return support
 
     # -- prompts --------------------------------------------------------------------------------
@@ -219,20 +251,24 @@ class ChatSupport:
             **template_kwargs,
         )
 
-    def template_kwargs(self, reasoning_effort: str | None) -> dict[str, Any]:
-        """Extra chat-template variables for a request (the effort control, when the template has one)."""
-        del reasoning_effort
-        return {}
+    def template_kwargs(
+        self, reasoning_effort: str | None, chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The chat-template variables for a request: its own kwargs, plus the effort snapped to
+        what this template speaks (``policy.effort``). Raises ``EffortRefused`` for an effort
+        no dialect knows."""
+        return template_kwargs_for_request(
+            reasoning_effort, chat_template_kwargs, self.effort, self.thinking
+        ).kwargs
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text; the template already placed any BOS it wants."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def stop_strings(self, requested: Sequence[str]) -> list[str]:
-        """The request's stops plus the probed end-of-turn marker (unless it is an EOS token)."""
+        """The request's stops plus the probed end-of-turn marker (``policy.turn``; none when it is EOS)."""
         stops = [s for s in requested if s]
-        if self.end_of_turn and self.end_of_turn not in self.eos_texts and self.end_of_turn not in stops:
-            stops.append(self.end_of_turn)
+        stops += [s for s in self.turn_stops if s not in stops]
         return stops
 
     def text_stream(
@@ -259,6 +295,15 @@ class ChatSupport:
             tools=tools if chat else None,
             tool_format=self.tool_format,
         )
+
+
+def _renderer(tokenizer):
+    """``render(messages, **kwargs) -> str`` over the tokenizer's chat template, for the probes."""
+
+    def render(messages, **kwargs) -> str:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
+
+    return render
 
 
 def _render_safe(tokenizer, messages, **kwargs) -> str | None:

@@ -348,16 +348,7 @@ class Engine:
     def make_runner(self, kv_pages: int) -> BatchRunner:
         """A stopped batch runner over the loaded model with ``kv_pages`` KV pages."""
         opts = self.options
-        radix_factory = None
-        if opts.prefix_policy == "radix":
-            from moetray.policy.radix import RadixCache
-
-            def radix_factory(page: int) -> RadixCache:
-                return RadixCache(page, slot_unit="page")
-
-        anchor_token, anchor_factory = (None, None)
-        if self.chat is not None:
-            anchor_token, anchor_factory = self.chat.anchor_token, self.chat.anchor_state_factory
+        anchor_token = self.chat.anchor_token if self.chat is not None else None
         config = RunnerConfig(
             kv_pages=kv_pages,
             page_size=opts.page_size,
@@ -366,8 +357,6 @@ class Engine:
             prefix_policy=opts.prefix_policy,
             eos_token_ids=self.eos_ids,
             anchor_token=anchor_token,
-            anchor_state_factory=anchor_factory,
-            radix_factory=radix_factory,
             step_delay_s=opts.test_step_delay_s if opts.test_hooks else 0.0,
         )
         return BatchRunner(self.loaded.model, config)

@@ -84,6 +84,7 @@ class ChatRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Any = None
     reasoning_effort: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -246,7 +247,7 @@ def build_router(engine: Engine) -> APIRouter:
         chat = engine.chat
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        template_kwargs = chat.template_kwargs(body.reasoning_effort)
+        template_kwargs = chat.template_kwargs(body.reasoning_effort, body.chat_template_kwargs)
         try:
             prompt_text = chat.render(messages, tools=tools, **template_kwargs)
         except Exception as exc:

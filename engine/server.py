@@ -79,6 +79,7 @@ def refusal_classes() -> tuple[type[Exception], ...]:
     from moetray.engine.budget import ContextTooLong
     from moetray.engine.core import EngineUnavailable
     from moetray.engine.errors import ApiError
+    from moetray.policy.effort import EffortRefused
     from moetray.policy.maintenance import AdmissionClosed, RebuildRefused, StopRefused
     from moetray.policy.outbox import StopFailure
     from moetray.policy.pool_budget import RebuildRejected
@@ -92,6 +93,7 @@ def refusal_classes() -> tuple[type[Exception], ...]:
         StopFailure,
         ContextTooLong,
         EngineUnavailable,
+        EffortRefused,
     )
 
 

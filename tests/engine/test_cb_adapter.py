@@ -15,7 +15,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moetray.engine.cb_adapter import BatchRunner, RadixLedger, RunnerConfig, Sampling, seeded_uniform
-from moetray.policy.radix import RadixCache
 
 PAGE = 16
 EOS = 2
@@ -38,14 +37,12 @@ def prompt_ids(tok, text: str) -> list[int]:
 
 
 def make_runner(model, *, kv_pages=64, policy="radix", max_batch_tokens=256, **kw) -> BatchRunner:
-    radix = (lambda page: RadixCache(page, slot_unit="page")) if policy == "radix" else None
     cfg = RunnerConfig(
         kv_pages=kv_pages,
         page_size=PAGE,
         max_batch_tokens=max_batch_tokens,
         prefix_policy=policy,
         eos_token_ids=(EOS,),
-        radix_factory=radix,
         **kw,
     )
     runner = BatchRunner(model, cfg)
@@ -264,3 +261,66 @@ async def test_many_distinct_prompts_through_a_small_pool_all_complete_and_pages
         runner.check_integrity()
     finally:
         runner.stop()
+
+
+ANCHOR = 100  # stands for a single-token tool-call opener in these tests
+
+
+async def _anchored_turn_under_pressure(model, tok, anchor_token, pressure_extra_pages: int | None):
+    """Turn one ends with a tool call (the opener at a known position), newer junk follows, then pressure."""
+    runner = make_runner(model, kv_pages=24, policy="radix", anchor_token=anchor_token)
+    try:
+        first = prompt_ids(tok, "Plan a trip and call the weather tool for Paris, please.")
+        forced = (7, 8, 9, 10, 11, 12, 13, 14, ANCHOR, 15, 16, 17)
+        t1 = await run_all(runner, {"t1": (first, 40, Sampling(forced_tokens=forced))})
+        history = first + t1["t1"].generated_tokens
+        anchor_len = len(first) + forced.index(ANCHOR) + 1
+        anchored = {b for b in runner.ledger.tree_blocks}
+        anchored_blocks = sorted(anchored)[: anchor_len // PAGE] if anchor_len >= PAGE else []
+        junk = {
+            f"junk{i}": (prompt_ids(tok, f"newer junk {i} " * 10), 2, Sampling(temperature=0.0))
+            for i in range(2)
+        }
+        await run_all(runner, junk)
+        held_before = len(runner.ledger.retention)
+        stats = runner.kv_stats()
+        pages = stats.total - 1 if pressure_extra_pages is None else stats.free + pressure_extra_pages
+        filler = prompt_ids(tok, "pressure " * 300)[: pages * PAGE]
+        await run_all(runner, {"pressure": (filler, 1, Sampling(temperature=0.0))})
+        evicted = {b for batch in runner.ledger.evictions for b in batch}
+        follow = history[:anchor_len] + prompt_ids(tok, "tool result: sunny")
+        await run_all(runner, {"t2": (follow, 2, Sampling(temperature=0.0))})
+        runner.check_integrity()
+        return {
+            "held_before": held_before,
+            "hit": runner.cached_tokens("t2"),
+            "anchor_pages": anchor_len // PAGE,
+            "evicted_anchor": bool(evicted & set(anchored_blocks)),
+            "released": dict(runner.ledger.anchors_released),
+            "outcomes": dict(runner.ledger.anchor_outcomes),
+            "held_after": len(runner.ledger.retention),
+        }
+    finally:
+        runner.stop()
+
+
+async def test_anchor_keeps_the_turn_prefix_up_to_the_opener_through_pressure_until_the_next_turn(tiny):
+    """An older anchored prefix survives LRU pressure that takes it without an anchor; next turn frees it."""
+    model, tok = tiny
+    anchored = await _anchored_turn_under_pressure(model, tok, ANCHOR, pressure_extra_pages=3)
+    plain = await _anchored_turn_under_pressure(model, tok, None, pressure_extra_pages=3)
+    assert anchored["outcomes"] == {"held": 1} and anchored["held_before"] == 1
+    assert anchored["anchor_pages"] >= 2
+    assert not anchored["evicted_anchor"]
+    assert anchored["hit"] >= anchored["anchor_pages"] * PAGE
+    assert anchored["released"]["turn"] == 1 and anchored["held_after"] == 0
+    assert plain["evicted_anchor"], "without the anchor, LRU takes the oldest turn first"
+    assert plain["hit"] < anchored["hit"]
+
+
+async def test_memory_pressure_reclaims_an_anchor_rather_than_starving_a_request(tiny):
+    """Anchors are soft: when nothing else can give, the hold is released and the request runs."""
+    model, tok = tiny
+    result = await _anchored_turn_under_pressure(model, tok, ANCHOR, pressure_extra_pages=None)
+    assert result["released"]["pressure"] == 1
+    assert result["held_after"] == 0
