@@ -179,7 +179,8 @@ class ChatSupport:
     reasoning_format: ReasoningFormat | None
     tool_format: ToolCallFormat | None
     end_of_turn: str | None = None
-    turn_stops: tuple[str, ...] = ()
+    turn_stops: tuple[str, ...] = ()  # end-of-turn text to stop on (multi-token markers)
+    turn_stop_ids: tuple[int, ...] = ()  # end-of-turn marker that is one token: stop on the id
     effort: EffortProfile = field(default_factory=EffortProfile.inert)
     thinking: ThinkingProfile = field(default_factory=ThinkingProfile)
     anchor_token: int | None = None
@@ -210,12 +211,22 @@ class ChatSupport:
                 tool_format.opener(), lambda s: tokenizer.encode(s, add_special_tokens=False)
             )
         special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(eos_ids)
+        stops = end_of_turn_stops(end_of_turn, eos_text)
+        stop_ids: tuple[int, ...] = ()
+        if stops:
+            # A marker that is a single (usually special, so never shown) token ends the turn by
+            # id, like EOS; only a multi-token marker is matched as text.
+            ids = tokenizer.encode(stops[0], add_special_tokens=False)
+            if len(ids) == 1:
+                stop_ids, stops = (int(ids[0]),), ()
+                special.add(stop_ids[0])  # a terminator is never shown as text
         support = cls(
             tokenizer=tokenizer,
             reasoning_format=reasoning,
             tool_format=tool_format,
             end_of_turn=end_of_turn,
-            turn_stops=end_of_turn_stops(end_of_turn, eos_text),
+            turn_stops=stops,
+            turn_stop_ids=stop_ids,
             effort=probe_effort(render),
             thinking=probe_thinking(render),
             anchor_token=anchor,

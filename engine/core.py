@@ -292,6 +292,7 @@ class Engine:
         self.eos_ids = loader.eos_token_ids(loaded.model, loaded.tokenizer)
         self._progress("probing the chat template", 0, 1)
         self.chat = ChatSupport.probe(loaded.tokenizer, info, eos_ids=self.eos_ids)
+        self.eos_ids += tuple(t for t in self.chat.turn_stop_ids if t not in self.eos_ids)
         self._progress("allocating the KV pool", 0, 1)
         self.runner = self.make_runner(sizes.kv_pages)
         self.runner.start()
