@@ -1,0 +1,163 @@
+"""Engine-side rules that need no server: security defaults, the context ceiling, the budget, the split."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from moetray.engine.budget import ContextCeiling, ContextTooLong, cpu_budget
+from moetray.engine.cb_adapter import Sampling, _DrawProcessor, kv_bytes_per_page, seeded_uniform
+from moetray.engine.security import (
+    BindRefused,
+    HostPolicy,
+    bearer,
+    check_bind,
+    host_of,
+    is_loopback,
+    load_credentials,
+)
+from moetray.engine.serve import parse_bytes
+from moetray.policy.wire import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, API_KEY_ENV
+
+# --- security ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"])
+def test_loopback_binds_need_no_key(host):
+    assert is_loopback(host)
+    check_bind(host, None)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.10", "example.com"])
+def test_a_non_loopback_bind_without_an_api_key_is_refused(host):
+    """Opening /v1/* to the network must be a deliberate act (an API key), never a default."""
+    with pytest.raises(BindRefused) as err:
+        check_bind(host, None)
+    assert err.value.kind == "non_loopback_without_key"
+    check_bind(host, "a-key")  # with a key it is allowed
+
+
+@pytest.mark.parametrize(
+    ("header", "accepted"),
+    [
+        ("127.0.0.1:8765", True),
+        ("localhost", True),
+        ("[::1]:80", True),
+        ("evil.example", False),
+        ("evil.example:8765", False),
+        ("127.0.0.1.evil.example", False),
+        (None, False),
+        ("", False),
+        ("moetray.lan:9", True),
+    ],
+)
+def test_host_policy_accepts_loopback_and_configured_names_only(header, accepted):
+    assert HostPolicy(frozenset({"moetray.lan"})).accepts(header) is accepted
+
+
+def test_host_parsing():
+    assert host_of("[::1]:8080") == "::1"
+    assert host_of("LocalHost:1") == "localhost"
+    assert bearer("Bearer abc") == "abc" and bearer("bearer abc") == "abc"
+    assert bearer("Basic abc") is None and bearer(None) is None and bearer("Bearer ") is None
+
+
+def test_admin_token_comes_from_the_environment_first(tmp_path):
+    creds = load_credentials(api_key=None, port=1, env={ADMIN_TOKEN_ENV: "from-env"}, token_dir=tmp_path)
+    assert creds.admin_token == "from-env" and creds.token_file is None
+    assert not list(tmp_path.iterdir())  # nothing written when the tray handed the token over
+
+
+def test_admin_token_file_handover(tmp_path):
+    f = tmp_path / "tok"
+    f.write_text("from-file\n")
+    creds = load_credentials(api_key=None, port=1, env={ADMIN_TOKEN_FILE_ENV: str(f)}, token_dir=tmp_path)
+    assert creds.admin_token == "from-file"
+
+
+def test_a_generated_admin_token_is_written_owner_only(tmp_path):
+    creds = load_credentials(api_key=None, port=4242, env={}, token_dir=tmp_path)
+    assert creds.token_file == tmp_path / "engine-4242.token"
+    assert creds.token_file.read_text().strip() == creds.admin_token
+    assert stat.S_IMODE(os.stat(creds.token_file).st_mode) == 0o600
+    assert len(creds.admin_token) >= 32
+    other = load_credentials(api_key=None, port=4242, env={}, token_dir=tmp_path)
+    assert other.admin_token != creds.admin_token  # per launch
+
+
+def test_api_key_flag_wins_over_the_environment(tmp_path):
+    creds = load_credentials(api_key="flag", port=1, env={API_KEY_ENV: "env", ADMIN_TOKEN_ENV: "t"})
+    assert creds.api_key == "flag"
+    assert creds.api_ok("Bearer flag") and not creds.api_ok("Bearer env") and not creds.api_ok(None)
+    open_engine = load_credentials(api_key=None, port=1, env={ADMIN_TOKEN_ENV: "t"})
+    assert open_engine.api_ok(None)  # loopback without a key: /v1 is open
+    assert not open_engine.admin_ok(None) and open_engine.admin_ok("Bearer t")
+
+
+# --- context ceiling -------------------------------------------------------------------------------
+
+
+def test_context_ceiling_clamps_max_tokens_and_refuses_with_the_exact_wording():
+    ceiling = ContextCeiling.for_model(trained_context=100, kv_tokens=4096)
+    assert ceiling.limit == 100
+    assert ceiling.fit(10, 50) == 50
+    assert ceiling.fit(90, 50) == 10
+    assert ceiling.fit(99, None) == 1
+    with pytest.raises(ContextTooLong) as err:
+        ceiling.fit(100, 1)
+    assert str(err.value) == "prompt is too long: 100 tokens > 99 maximum"
+    assert err.value.kind == "context_length_exceeded"
+
+
+def test_the_kv_pool_bounds_the_context_when_it_is_smaller_than_the_trained_one():
+    """A request longer than the pool could never be scheduled: the ceiling says so up front."""
+    assert ContextCeiling.for_model(trained_context=32768, kv_tokens=2048).limit == 2048
+    assert ContextCeiling.for_model(trained_context=None, kv_tokens=512).limit == 512
+
+
+# --- budget ---------------------------------------------------------------------------------------
+
+
+def test_cpu_budget_is_labelled_host_ram_and_says_where_it_came_from():
+    user = cpu_budget(123456789)
+    assert user.kind == "cpu" and user.budget_bytes == 123456789
+    assert "host RAM" in user.label and "user-set" in user.source
+    default = cpu_budget(None, fraction=0.1)
+    assert default.budget_bytes == int(default.total_bytes * 0.1)
+    assert "10% of host RAM" in default.label
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("1024", 1024), ("2G", 2 << 30), ("512MiB", 512 << 20), ("1.5k", 1536)]
+)
+def test_size_arguments(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_kv_page_bytes_follow_the_model_geometry(tiny_moe):
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_moe("qwen3_moe", "per_expert"))
+    # layers × (K and V) × kv heads × head dim × bytes × tokens per page
+    expected = 2 * 2 * 2 * 16 * 4 * 16
+    assert kv_bytes_per_page(config, page_size=16, dtype=torch.float32) == expected
+    assert kv_bytes_per_page(config, page_size=16, dtype=torch.bfloat16) == expected // 2
+
+
+# --- sampling draw --------------------------------------------------------------------------------
+
+
+def test_the_draw_processor_picks_greedy_forced_and_seeded_tokens():
+    import torch
+
+    draw = _DrawProcessor()
+    scores = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
+    codes = torch.tensor([-1, -(2 + 2), int(0.999 * 2**31)], dtype=torch.int32)
+    out = draw(scores, codes)
+    assert out.argmax(dim=-1).tolist() == [1, 2, 3]  # greedy → mode; forced → id 2; u≈1 → last nonzero
+    assert torch.isinf(out).sum().item() == 3 * 3  # every other logit masked
+    assert 0.0 <= seeded_uniform(1, 0) < 1.0
+    assert Sampling(temperature=0.0).greedy and not Sampling().greedy
