@@ -138,8 +138,15 @@ class ExpertRuntime:
             expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
         routed = [e for e in expert_hit[:, 0].tolist() if e < num_experts]
 
-        with self._lock:
+        with self._lock:  # held for the whole call: a resize never swaps rows mid-compute
             plan = self._plan(layer, routed)
+            on_cpu = [e for e, slot in zip(routed, plan.slots, strict=True) if slot is None]
+            if on_cpu and self.device.type != "cpu":
+                # Bring this call's inputs to the host before the slot copies are queued, so the
+                # device→host transfer does not wait behind them and the CPU work overlaps them.
+                host = (hidden_states.cpu(), top_k_weights.cpu(), expert_mask.cpu())
+            else:
+                host = None
             try:
                 report = self.slots.apply(plan)
             except SlotDeviceError as exc:
@@ -151,24 +158,22 @@ class ExpertRuntime:
                 raise
             self._record(layer, plan, report.bytes, hidden_states.shape[0])
 
-        # CPU work first when the device is not the CPU, so it overlaps the async copies.
-        on_cpu: dict[int, torch.Tensor] = {}
-        if self.device.type != "cpu":
+            computed: dict[int, torch.Tensor] = {}
+            if host is not None:
+                states, weights, mask = host
+                for expert in on_cpu:
+                    top_k_pos, token_idx = torch.where(mask[expert])
+                    computed[expert] = self._expert(module, self.store.weights(layer, expert),
+                                                    states[token_idx], weights[token_idx, top_k_pos, None])
             for expert, slot in zip(routed, plan.slots, strict=True):
-                if slot is None:
-                    top_k_pos, token_idx = torch.where(expert_mask[expert])
-                    on_cpu[expert] = self._expert(module, self.store.weights(layer, expert),
-                                                  hidden_states[token_idx].cpu(),
-                                                  top_k_weights[token_idx, top_k_pos, None].cpu())
-        for expert, slot in zip(routed, plan.slots, strict=True):
-            top_k_pos, token_idx = torch.where(expert_mask[expert])
-            if expert in on_cpu:
-                current = on_cpu[expert].to(hidden_states.device)
-            else:
-                weights = self.store.weights(layer, expert) if slot is None else self._slot_views[slot]
-                current = self._expert(module, weights, hidden_states[token_idx],
-                                       top_k_weights[token_idx, top_k_pos, None])
-            final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
+                top_k_pos, token_idx = torch.where(expert_mask[expert])
+                if expert in computed:
+                    current = computed[expert].to(hidden_states.device)
+                else:
+                    weights = self.store.weights(layer, expert) if slot is None else self._slot_views[slot]
+                    current = self._expert(module, weights, hidden_states[token_idx],
+                                           top_k_weights[token_idx, top_k_pos, None])
+                final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
         return final_hidden_states
 
     def _unpack_slots(self) -> list[dict[str, torch.Tensor]]:
