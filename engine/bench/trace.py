@@ -487,6 +487,22 @@ def default_traces(quick: bool, traces_dir: Path) -> list[Trace]:
     return traces
 
 
+def planner_cost(policies: Sequence[str] = ONLINE_POLICIES, tokens: int = 60) -> dict[str, dict[str, float]]:
+    """CPU microseconds per `ExpertCache.ensure` call at Qwen3-30B-A3B geometry (48 layers,
+    128 experts, top-8) on a calibrated synthetic trace, per policy and pool size."""
+    trace = calibrated_trace("synth-qwen3-235b", num_layers=48, tokens=tokens)
+    out: dict[str, dict[str, float]] = {}
+    for policy in policies:
+        out[policy] = {}
+        for frac in (0.10, 0.25, 0.50):
+            cache = ExpertCache(48, 128, round(frac * 48 * 128), policy=policy)
+            start = time.process_time()
+            for layer, ids in _calls(trace):
+                cache.ensure(layer, ids)
+            out[policy][f"{round(frac * 100)}%"] = round((time.process_time() - start) / trace.calls * 1e6, 1)
+    return out
+
+
 def _table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     columns = ["trace", "C", "C slots", "horizon", "lru", "layer_lru", "lfu", "static", "MIN",
                "MIN+bypass", "horizon/MIN", "lru/MIN", "horizon bytes/MIN",
@@ -560,6 +576,8 @@ def main(argv: list[str]) -> int:
             print(f"  {row['capacity_label']:>5} C={row['capacity']:<5} "
                   + " ".join(f"{p}={row[p]['hit_rate']:.3f}" for p in (*ONLINE_POLICIES, "min")), flush=True)
     calibration = {name: calibrate(name, tokens=300 if args.quick else 600) for name in CALIBRATED}
+    cost = planner_cost(tokens=20 if args.quick else 60)
+    print(f"planner CPU µs per call (48 layers × 128 experts, top-8): {cost}", flush=True)
     goals = _goals(rows)
     columns, table = _table(rows)
     real = [t.name for t in traces if t.source == "real"]
@@ -571,6 +589,8 @@ def main(argv: list[str]) -> int:
         "Synthetic traces are calibrated to published per-layer LRU curves; see results.calibration "
         "for the fit. Real-text traces: " + (", ".join(real) if real else
                                              "none found under bench/traces (the reader is ready)."),
+        "Planner CPU cost per ensure call at 48 layers × 128 experts, top-8 (µs, this host): "
+        + ", ".join(f"{p} {v['25%']}" for p, v in cost.items()) + " (at 25 % of the experts resident).",
         "Regenerate: `.venv/bin/moetray bench trace && .venv/bin/moetray bench tables`.",
     ]
     from moetray.engine.bench.results import write_receipt
@@ -581,6 +601,7 @@ def main(argv: list[str]) -> int:
                                             "topk_multiples": list(TOPK_MULTIPLES),
                                             "link_profiles": LINK_PROFILES, "expert_bytes": EXPERT_BYTES},
                          results={"traces": info, "rows": rows, "goals": goals, "calibration": calibration,
+                                  "planner_us_per_call": cost,
                                   "seconds": round(time.perf_counter() - started, 1)},
                          columns=columns, rows=table, title="Expert-cache policies against Belady MIN",
                          notes=notes)

@@ -395,20 +395,21 @@ class _Horizon(_Ranker):
     instead of the one that runs next, and keeps ``capacity − k`` experts for good.
 
     **Adaptive λ (set dueling).** Which λ fits depends on the routing and on the cache
-    size, so λ is chosen online among `LAMBDAS`: a few sampled layers each run one shadow
-    cache per candidate λ (tags only, sized to the real layer's current share), counting
-    the misses each would have had, with exponential forgetting. Every `PERIOD` sampled
-    calls the real cache switches to the candidate with the fewest shadow misses if it beat
-    the active one by `MARGIN` (rebuilding its heaps, O(residents · log)). The shadows are
-    fixed-λ horizon caches (``"horizon@λ"``) over the sampled layers with their share of the
-    capacity, so they see the same cross-layer competition as the real pool.
+    size, so λ is chosen online among `LAMBDAS`. One shadow cache per candidate (a fixed-λ
+    ``"horizon@λ"`` planner) follows a hashed sample of the experts (1 in `SAMPLE_RATE`) of
+    every layer, with the same share of the pool, and counts the misses it would have had,
+    fading with a time constant of `MEMORY_TOKENS` forward steps. Sampling experts rather
+    than layers keeps the cross-layer competition that decides a shared pool (a sample of 4
+    layers out of 30 picked the wrong λ on a real-text trace). Every `PERIOD_TOKENS` steps the
+    real cache adopts the candidate with the fewest shadow misses if it beats the active one
+    by `MARGIN` (rebuilding its heaps, O(residents · log)).
     """
 
     name = "horizon"
     LAMBDAS = (0.02, 0.1, 0.3, 1.0)
-    SAMPLED_LAYERS = 4
-    PERIOD = 32  # sampled calls between decisions
-    FORGET = 0.995  # per sampled call: shadow miss counts look back ~200 sampled calls
+    SAMPLE_RATE = 4  # shadows follow 1 in 4 experts (every expert on pools under 1024 experts)
+    PERIOD_TOKENS = 8  # forward steps (L calls each) between decisions
+    MEMORY_TOKENS = 50  # shadow miss counts fade with this time constant, in forward steps
     MARGIN = 0.03  # switch only when a candidate missed ≥ 3 % less than the active λ
 
     def __init__(self, cache: ExpertCache) -> None:
@@ -421,16 +422,20 @@ class _Horizon(_Ranker):
         self.key: list[float | None] = [None] * n  # heap key of a resident, None when not resident
         self.heaps: list[list[tuple[float, int]]] = [[] for _ in range(n_layers)]
         self.layer_count = [0] * n_layers
-        # Dueling: one shadow cache per candidate λ over a few sampled layers, sized to
-        # their share of the pool (only the adaptive policy has shadows; they have none).
-        samples = min(self.SAMPLED_LAYERS, n_layers) if len(self.LAMBDAS) > 1 else 0
-        step = n_layers / samples if samples else 0
-        sampled = sorted({min(n_layers - 1, int(step / 2 + i * step)) for i in range(samples)})
-        self.sampled = {layer: j for j, layer in enumerate(sampled)}  # real layer → shadow layer
-        self.shadows = [ExpertCache(len(sampled), cache.num_experts, self._shadow_capacity(cache.capacity),
-                                    policy=f"horizon@{lam}") for lam in self.LAMBDAS] if sampled else []
+        # Dueling: one shadow cache per candidate λ over every layer but a hashed sample of
+        # the experts (1 in `sample_rate`), with the same share of the pool. Sampling experts
+        # rather than layers keeps the cross-layer competition that decides the real pool.
+        dueling = len(self.LAMBDAS) > 1
+        self.sample_rate = max(1, min(self.SAMPLE_RATE, n // 256))
+        self.in_sample = [dueling and (flat * 2654435761) % 4294967296 % self.sample_rate == 0
+                          for flat in range(n)]
+        self.sample_share = sum(self.in_sample) / n
+        self.shadows = [ExpertCache(n_layers, cache.num_experts, self._shadow_capacity(cache.capacity),
+                                    policy=f"horizon@{lam}") for lam in self.LAMBDAS] if dueling else []
         self.shadow_misses = [0.0] * len(self.LAMBDAS)
-        self.sampled_calls = 0
+        self.calls_seen = 0
+        self.forget = 1.0 - 1.0 / (self.MEMORY_TOKENS * n_layers)
+        self.period = self.PERIOD_TOKENS * n_layers
         self.switches = 0
         # Each layer's head (its unprotected expert with the lowest CRF) as a base score
         # L·(1/r − 1), in a max-heap over layers, refreshed when the layer runs or loses an
@@ -459,7 +464,7 @@ class _Horizon(_Ranker):
         self._dirty.add(layer)  # it may have been the head
 
     def _shadow_capacity(self, capacity: int) -> int:
-        return max(1, round(capacity * len(self.sampled) / self.c.num_layers))
+        return max(1, round(capacity * self.sample_share))
 
     def resize(self, capacity: int) -> None:
         for shadow in self.shadows:
@@ -470,12 +475,16 @@ class _Horizon(_Ranker):
             return
         layer = flats[0] // self.c.num_experts
         now = self.c._passes[layer]
-        shadow_layer = self.sampled.get(layer)
-        if shadow_layer is not None:  # what each candidate λ would have missed on this call
-            ids = [flat - layer * self.c.num_experts for flat in flats]
+        if self.shadows:  # what each candidate λ would have missed on this call's sample
+            base = layer * self.c.num_experts
+            ids = [flat - base for flat in flats if self.in_sample[flat]]
             for i, shadow in enumerate(self.shadows):
-                misses = shadow.ensure(shadow_layer, ids).misses
-                self.shadow_misses[i] = self.shadow_misses[i] * self.FORGET + misses
+                if ids:
+                    misses = shadow.ensure(layer, ids).misses
+                else:
+                    misses = 0
+                    shadow._tick(layer)
+                self.shadow_misses[i] = self.shadow_misses[i] * self.forget + misses
         last = self.last
         for crf, rate in zip(self.crf, self._log_decay, strict=True):
             for flat in flats:
@@ -491,9 +500,9 @@ class _Horizon(_Ranker):
         if len(heap) > 4 * self.layer_count[layer] + 32:
             self._rebuild_layer(layer)
         self._dirty.add(layer)  # its passes advanced: its head's rate changed
-        if shadow_layer is not None:
-            self.sampled_calls += 1
-            if self.sampled_calls % self.PERIOD == 0:
+        if self.shadows:
+            self.calls_seen += 1
+            if self.calls_seen % self.period == 0:
                 self._switch()
 
     def info(self) -> dict[str, object]:
@@ -785,6 +794,13 @@ class ExpertCache:
         return ExpertPlan(layer=layer, expert_ids=routed, slots=[slot_for[e] for e in routed],
                           copies=copies, hits=hits, misses=len(missed),
                           bypassed=tuple(sorted(bypassed)), evicted=evicted)
+
+    def _tick(self, layer: int) -> None:
+        # A call of ``layer`` that routed nothing this cache tracks (a dueling shadow's view of
+        # a call without sampled experts): the clocks advance, nothing else changes.
+        self._calls += 1
+        self._passes[layer] += 1
+        self._latest_layer = layer
 
     def forget_slot(self, slot: int) -> tuple[int, int] | None:
         """Mark ``slot`` empty after its copy failed; it becomes the first slot to be reused.
