@@ -85,7 +85,8 @@ class MoetrayApp(QObject):
         self.current_model: str | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._shutdown_started = False
-        self._tray_probe = ProbeCache(2.0, time.monotonic)
+        # Reading our own smaps_rollup costs ~10 ms (Qt maps many libraries): once per 10 s.
+        self._tray_probe = ProbeCache(10.0, time.monotonic)
         self._model_menu: QMenu | None = None
 
     # -- wiring ----------------------------------------------------------------------

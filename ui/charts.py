@@ -51,7 +51,7 @@ class RollingChart(pg.PlotWidget):
         item.setTitle(title, size="9pt")
         item.setLabel("left", unit)
         item.setLabel("bottom", "seconds ago")
-        item.showGrid(x=True, y=True, alpha=0.2)
+        item.showGrid(x=False, y=False)
         item.setMenuEnabled(False)
         item.hideButtons()
         self.setMouseEnabled(x=False, y=False)

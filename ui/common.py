@@ -58,7 +58,52 @@ class Pill(QLabel):
     """A rounded coloured label (the engine state in the header)."""
 
     def set_pill(self, text: str, color: str) -> None:
+        if (text, color) == getattr(self, "_shown", None):
+            return  # a style sheet re-polishes the widget: only on a real change
+        self._shown = (text, color)
         self.setText(text)
         self.setStyleSheet(
             f"QLabel {{ background: {color}; color: white; border-radius: 9px; padding: 2px 10px;"
             " font-weight: 600; }")
+
+
+class LazyView(QWidget):
+    """A panel that redraws only while visible and catches up when shown.
+
+    Snapshots arrive every second whether or not anyone looks; a hidden tab (or the whole
+    window hidden in the tray) then costs a flag, not a redraw. ``_subscribe(model, name,
+    method)`` connects a model signal to ``method`` through one bound slot (so Qt drops the
+    connection with the panel); ``method`` runs now if the panel is visible, else once when
+    it is next shown.
+    """
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._stale: dict[str, object] = {}
+        self._routes: dict[tuple[int, str], list] = {}
+
+    def _subscribe(self, model, signal_name: str, method) -> None:
+        key = (id(model), signal_name)
+        if key not in self._routes:
+            getattr(model, signal_name).connect(self._on_model_signal)
+        self._routes.setdefault(key, []).append(method)
+
+    def _on_model_signal(self, *args) -> None:
+        sender = self.sender()
+        if sender is None:
+            return
+        name = bytes(sender.metaObject().method(self.senderSignalIndex()).name()).decode()
+        for method in self._routes.get((id(sender), name), ()):
+            self._redraw(method)
+
+    def _redraw(self, method) -> None:
+        if self.isVisible():
+            method()
+        else:
+            self._stale[method.__name__] = method
+
+    def showEvent(self, event) -> None:  # noqa: N802 - Qt override
+        stale, self._stale = self._stale, {}
+        for method in stale.values():
+            method()
+        super().showEvent(event)

@@ -115,7 +115,9 @@ class Header(QWidget):
         self.detail.setText(m.detail or "")
         self.detail.setVisible(bool(m.detail))
         failed = m.state == EngineState.FAILED
-        self.detail.setStyleSheet("color: #c0392b; font-weight: 600;" if failed else "color: #566573;")
+        style = "color: #c0392b; font-weight: 600;" if failed else "color: #566573;"
+        if self.detail.styleSheet() != style:
+            self.detail.setStyleSheet(style)
         load = m.load if m.state == EngineState.LOADING else None
         self.progress.setVisible(load is not None)
         if load is not None:

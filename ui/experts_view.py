@@ -5,12 +5,12 @@ from __future__ import annotations
 from PySide6.QtWidgets import QGroupBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from moetray.ui.charts import LayerBars, ResidencyHeatmap, RollingChart
-from moetray.ui.common import StatGrid
+from moetray.ui.common import LazyView, StatGrid
 from moetray.ui.format import DASH, fmt_bytes, fmt_int, fmt_pct
 from moetray.ui.viewmodels import ExpertsModel
 
 
-class ExpertsView(QWidget):
+class ExpertsView(LazyView):
     def __init__(self, model: ExpertsModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.model = model
@@ -36,9 +36,9 @@ class ExpertsView(QWidget):
         row.addWidget(self.layer_bars, 2)
         layout.addLayout(row, 1)
 
-        model.residency_changed.connect(self._update_heatmap)
-        model.changed.connect(self._update_stats)
-        model.history_changed.connect(self._update_charts)
+        self._subscribe(model, "residency_changed", self._update_heatmap)
+        self._subscribe(model, "changed", self._update_stats)
+        self._subscribe(model, "history_changed", self._update_charts)
         self._update_heatmap()
         self._update_stats()
         self._update_charts()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtWidgets import QGroupBox, QLabel, QVBoxLayout, QWidget
 
 from moetray.ui.charts import RollingChart, SegmentBar
-from moetray.ui.common import StatGrid
+from moetray.ui.common import LazyView, StatGrid
 from moetray.ui.format import DASH, MIB, fmt_bytes
 from moetray.ui.viewmodels import FootprintView, MemoryModel
 
@@ -17,7 +17,7 @@ def footprint_text(fp: FootprintView | None) -> str:
     return DASH if fp is None else f"{fmt_bytes(fp.bytes)} ({fp.kind.upper()})"
 
 
-class MemoryView(QWidget):
+class MemoryView(LazyView):
     def __init__(self, model: MemoryModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.model = model
@@ -44,8 +44,8 @@ class MemoryView(QWidget):
                                   ["engine on device", "engine process", "tray process"])
         layout.addWidget(self.chart, 1)
 
-        model.changed.connect(self._update_numbers)
-        model.history_changed.connect(self._update_chart)
+        self._subscribe(model, "changed", self._update_numbers)
+        self._subscribe(model, "history_changed", self._update_chart)
         self._update_numbers()
         self._update_chart()
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from PySide6.QtWidgets import QHBoxLayout, QVBoxLayout, QWidget
 
 from moetray.ui.charts import RollingChart
-from moetray.ui.common import StatGrid
+from moetray.ui.common import LazyView, StatGrid
 from moetray.ui.format import fmt_int, fmt_ms, fmt_rate
 from moetray.ui.viewmodels import ThroughputModel
 
 
-class ThroughputView(QWidget):
+class ThroughputView(LazyView):
     def __init__(self, model: ThroughputModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.model = model
@@ -24,8 +24,8 @@ class ThroughputView(QWidget):
         row.addWidget(self.tok_chart)
         row.addWidget(self.ttft_chart)
         layout.addLayout(row, 1)
-        model.changed.connect(self._update_stats)
-        model.history_changed.connect(self._update_charts)
+        self._subscribe(model, "changed", self._update_stats)
+        self._subscribe(model, "history_changed", self._update_charts)
         self._update_stats()
         self._update_charts()
 

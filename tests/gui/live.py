@@ -122,6 +122,9 @@ class StreamingChat(threading.Thread):
         try:
             with httpx.stream("POST", self.engine.url + "/v1/chat/completions", json=self.body,
                               timeout=120.0, trust_env=False) as reply:
+                if reply.status_code != 200:
+                    self.error = f"HTTP {reply.status_code}: {reply.read()[:300]!r}"
+                    return
                 for line in reply.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue

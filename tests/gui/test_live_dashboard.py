@@ -68,6 +68,7 @@ def test_heatmap_reflects_the_engines_residency_map(app, window, dashboard_engin
     chat = StreamingChat(dashboard_engine, max_tokens=6, content="route some tokens")
     chat.start()
     qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
+    assert chat.error is None and chat.chunks > 0, (chat.error, dashboard_engine.log()[-2000:])
     qtbot.waitUntil(lambda: not dashboard_engine.request_ids(), timeout=WAIT_MS)
     residency = dashboard_engine.status()["experts"]["residency"]  # stable while idle
     expected = tuple(tuple(row) for row in residency)
