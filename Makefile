@@ -6,7 +6,8 @@ VENV    := .venv
 STAMP   := $(VENV)/.installed
 # Debian packages the GUI tests need: a real X server, a tray host, screenshots.
 APT_PKGS := xvfb trayer imagemagick x11-utils libxcb-cursor0 libxkbcommon-x11-0 \
-            libegl1 libgl1 libfontconfig1 libdbus-1-3 libxcb-icccm4 libxcb-keysyms1
+            libegl1 libgl1 libfontconfig1 libdbus-1-3 libxcb-icccm4 libxcb-keysyms1 \
+            desktop-file-utils appstream
 
 .PHONY: run test setup system-deps lint bench
 .DEFAULT_GOAL := run
