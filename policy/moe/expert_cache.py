@@ -407,7 +407,7 @@ class _Horizon(_Ranker):
 
     name = "horizon"
     LAMBDAS = (0.02, 0.1, 0.3, 1.0)
-    SAMPLE_RATE = 4  # shadows follow 1 in 4 experts (every expert on pools under 1024 experts)
+    SAMPLE_RATE = 8  # shadows follow at most 1 in 8 experts, and all of them under 1024
     PERIOD_TOKENS = 8  # forward steps (L calls each) between decisions
     MEMORY_TOKENS = 50  # shadow miss counts fade with this time constant, in forward steps
     MARGIN = 0.03  # switch only when a candidate missed ≥ 3 % less than the active λ
@@ -426,7 +426,7 @@ class _Horizon(_Ranker):
         # the experts (1 in `sample_rate`), with the same share of the pool. Sampling experts
         # rather than layers keeps the cross-layer competition that decides the real pool.
         dueling = len(self.LAMBDAS) > 1
-        self.sample_rate = max(1, min(self.SAMPLE_RATE, n // 256))
+        self.sample_rate = max(1, min(self.SAMPLE_RATE, n // 512))
         self.in_sample = [dueling and (flat * 2654435761) % 4294967296 % self.sample_rate == 0
                           for flat in range(n)]
         self.sample_share = sum(self.in_sample) / n
