@@ -164,9 +164,13 @@ class MoetrayApp(QObject):
         if phase == Phase.FAILED:
             return EngineState.FAILED, self.supervisor.last_reason
         state = EngineState(gate) if gate else EngineState.LOADING
-        detail = "The engine reports it failed; see Logs, then restart." if state == EngineState.FAILED \
-            else None
-        return state, detail
+        if state == EngineState.FAILED:
+            return state, "The engine reports it failed; see Logs, then restart."
+        load = self.model.engine.load
+        if state == EngineState.LOADING and load is not None:
+            total = "?" if load.total is None else str(load.total)
+            return state, f"Loading: {load.stage} ({load.done}/{total})"
+        return state, None
 
     def _recompute_state(self) -> None:
         state, detail = self._derive_state()

@@ -34,6 +34,23 @@ def run(app: QApplication, main: Callable[[], Coroutine[Any, Any, int]]) -> int:
         return runner.run(main())
 
 
+class EarlyExit:
+    """Catches SIGINT/SIGTERM from process start until the loop's own handlers take over.
+
+    Without it, a signal during start-up (Qt and the settings loading, the loop not yet
+    running) would kill the process with no shutdown, and ``asyncio.Runner`` would turn a
+    Ctrl-C into ``KeyboardInterrupt``. ``requested`` says whether one arrived meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.requested = True
+
+
 def install_exit_signals(callback: Callable[[], None]) -> list[signal.Signals]:
     """Route SIGINT and SIGTERM to ``callback`` through the running loop; returns those installed."""
     loop = asyncio.get_running_loop()

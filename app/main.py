@@ -99,7 +99,7 @@ def prepare(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
 
 
 async def start_app(qapp, settings, prepared: Prepared, single, sentinel: asyncio.Future[int] | None = None,
-                    started: Callable[[Any], None] | None = None):
+                    started: Callable[[Any], None] | None = None, early_exit: Any = None):
     """Phase two, on the running qasync loop; returns the exit code.
 
     ``sentinel`` (a future to await instead of a fresh one) and ``started`` (called with
@@ -122,6 +122,8 @@ async def start_app(qapp, settings, prepared: Prepared, single, sentinel: asynci
     app.quit_requested.connect(shutdown)
     qapp.aboutToQuit.connect(shutdown)
     signals = compat.install_exit_signals(shutdown)
+    if early_exit is not None and early_exit.requested:  # a signal arrived during start-up
+        shutdown()
     single.message_received.connect(lambda message: app.open_dashboard() if message == "show" else None)
     await app.start()
     if started is not None:
@@ -143,9 +145,11 @@ def run_tray(argv: list[str]) -> int:
     except PrepareRefused as refused:
         print(f"moetray: {refused}", file=sys.stderr)
         return 2
+    from moetray.app import compat
+
+    early_exit = compat.EarlyExit()
     from PySide6.QtWidgets import QApplication
 
-    from moetray.app import compat
     from moetray.app.settings import Settings
     from moetray.app.single_instance import SHOW, SingleInstance, server_name
     from moetray.ui.icons import app_icon
@@ -164,4 +168,4 @@ def run_tray(argv: list[str]) -> int:
     if not single.listen():
         print("moetray: could not claim the single-instance socket; continuing without it.",
               file=sys.stderr)
-    return compat.run(qapp, lambda: start_app(qapp, settings, prepared, single))
+    return compat.run(qapp, lambda: start_app(qapp, settings, prepared, single, early_exit=early_exit))

@@ -141,6 +141,12 @@ class TrayController(QObject):
         self.variant = variant_for(QApplication.palette())
         self.set_state(EngineState.STOPPED, "moetray")
         self.rebuild_menu()
+        hints = QApplication.styleHints()
+        if hasattr(hints, "colorSchemeChanged"):  # a light/dark switch re-picks the variant
+            hints.colorSchemeChanged.connect(self._restyle)
+
+    def _restyle(self, *_args) -> None:
+        self.set_state(self.state, self.icon.toolTip())
 
     @staticmethod
     def available() -> bool:
