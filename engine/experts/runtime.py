@@ -38,6 +38,11 @@ from moetray.engine.experts.store import ExpertStore, unpack_row
 from moetray.policy.moe.expert_cache import DEFAULT_POLICY, ExpertCache
 from moetray.policy.moe.expert_slots import ExpertSlots, SlotDeviceError
 
+try:
+    from transformers.integrations.moe import _default_apply_gate as _DEFAULT_APPLY_GATE
+except ImportError:  # pragma: no cover - other transformers versions: always take the general path
+    _DEFAULT_APPLY_GATE = object()
+
 __all__ = [
     "IMPLEMENTATION_NAME",
     "ExpertRuntime",
@@ -83,6 +88,9 @@ class ExpertRuntime:
         self.num_layers = store.num_layers
         self.num_experts = store.num_experts
         self.geometry = store.layers[0].geometry
+        geo = self.geometry
+        self._plain_swiglu = (geo.has_gate and geo.is_concatenated and not geo.has_bias
+                              and not geo.is_transposed)
         self.policy = policy or DEFAULT_POLICY
         self.qstar = qstar
         self.cpu_layers = frozenset(cpu_layers)
@@ -140,8 +148,9 @@ class ExpertRuntime:
 
         with self._lock:  # held for the whole call: a resize never swaps rows mid-compute
             plan = self._plan(layer, routed)
-            on_cpu = [e for e, slot in zip(routed, plan.slots, strict=True) if slot is None]
-            if on_cpu and self.device.type != "cpu":
+            on_cpu = ([e for e, slot in zip(routed, plan.slots, strict=True) if slot is None]
+                      if self.device.type != "cpu" and None in plan.slots else [])
+            if on_cpu:
                 # Bring this call's inputs to the host before the slot copies are queued, so the
                 # device→host transfer does not wait behind them and the CPU work overlaps them.
                 host = (hidden_states.cpu(), top_k_weights.cpu(), expert_mask.cpu())
@@ -193,6 +202,10 @@ class ExpertRuntime:
     def _expert(self, module: torch.nn.Module, w: dict[str, torch.Tensor], current_state: torch.Tensor,
                 routing_weight: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens, in the stock eager implementation's op order."""
+        if self._plain_swiglu and type(module)._apply_gate is _DEFAULT_APPLY_GATE:
+            # The stock eager loop, verbatim (the common case: Qwen, Mixtral, OLMoE, …).
+            gate, up = F.linear(current_state, w["gate_up_proj"]).chunk(2, dim=-1)
+            return F.linear(module.act_fn(gate) * up, w["down_proj"]) * routing_weight
         geo = self.geometry
         if geo.has_gate:
             proj = _linear(current_state, w["gate_up_proj"], w.get("gate_up_proj_bias"), geo.is_transposed)
