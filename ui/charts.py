@@ -55,8 +55,11 @@ class RollingChart(pg.PlotWidget):
         item.setMenuEnabled(False)
         item.hideButtons()
         self.setMouseEnabled(x=False, y=False)
+        self._fixed_y = y_range is not None
         if y_range is not None:
             self.setYRange(*y_range, padding=0.02)
+        else:
+            self.enableAutoRange(axis="y", enable=False)
         if len(names) > 1:
             item.addLegend(offset=(-8, 8), labelTextSize="8pt")
         widths = widths or [2.0] * len(names)
@@ -90,11 +93,19 @@ class RollingChart(pg.PlotWidget):
             return
         now = times[-1]
         x = np.asarray([t - now for t in times], dtype=float)
+        top = 0.0
         for curve, values in zip(curves, series, strict=False):
             values = list(values)[-len(x):]
             pad = [math.nan] * (len(x) - len(values))  # a series that began later starts as a gap
             y = np.asarray(pad + [math.nan if v is None else float(v) / scale for v in values], dtype=float)
-            curve.setData(x, y, connect="finite")
+            finite = np.isfinite(y)
+            # A lone known point has no line to draw: mark it so it is seen.
+            curve.setData(x, y, connect="finite", symbol="o" if finite.sum() == 1 else None,
+                          symbolSize=5, symbolBrush=curve.opts["pen"].color(), symbolPen=None)
+            if finite.any():
+                top = max(top, float(np.nanmax(y)))
+        if not self._fixed_y:
+            self.setYRange(0.0, top * 1.15 if top > 0 else 1.0, padding=0)  # from zero: no magnified noise
 
     def curve_data(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         x, y = (self._curves + self._faint)[index].getData()
