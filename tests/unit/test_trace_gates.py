@@ -117,3 +117,24 @@ def test_static_oracle_counts_each_route_once():
     everything = run_static_oracle(trace, trace.num_layers * trace.num_experts)
     assert everything.misses == 0 and everything.hits == sum(len(set(ids)) for s in trace.tokens for ids in s)
     assert run_static_oracle(trace, 1).hits == 4  # (layer 1, expert 1) is routed 4 times
+
+
+def test_trace_reader_takes_the_demo_format_and_refuses_malformed_files(tmp_path):
+    # The real-text traces come from another component: a silently misread file would
+    # turn every number of the benchmark into noise.
+    import json
+
+    from moetray.engine.bench.trace import load_trace_json
+
+    good = {"num_layers": 2, "num_experts": 4, "top_k": 2, "reuse_w1": 0.5,
+            "tokens": [[[0, 1], [2, 3]], [[1, 0], [3, 2]]]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(good))
+    trace = load_trace_json(path)
+    assert (trace.num_layers, trace.num_experts, trace.top_k, trace.source) == (2, 4, 2, "real")
+    assert trace.tokens[1] == [(1, 0), (3, 2)] and trace.reuse(1) == 1.0
+    for bad in ({**good, "tokens": [[[0, 1]]]}, {**good, "tokens": [[[0, 4], [1, 2]]]},
+                {k: v for k, v in good.items() if k != "top_k"}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError):
+            load_trace_json(path)
