@@ -188,3 +188,16 @@ def test_extra_engine_arguments_round_trip_as_argv_words(tmp_path):
     settings.engine_args = args
     settings.sync()
     assert Settings.at(tmp_path / "s.conf").engine_args == args
+
+
+def test_the_tray_process_never_loads_torch():
+    # Import contracts catch static imports; this catches a dependency pulling torch in at
+    # run time (the tray must stay small and survive an engine crash).
+    import subprocess
+
+    code = ("import sys; import moetray.app.main, moetray.app.application, moetray.ui.dashboard, "
+            "moetray.app.tray; bad = sorted(m for m in ('torch', 'transformers', 'moetray.engine') "
+            "if m in sys.modules); print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+    assert result.returncode == 0, result.stdout + result.stderr
