@@ -42,7 +42,8 @@ def test_bench_engine_runs_every_row_and_stays_identical(tmp_path, monkeypatch):
     receipt = json.loads((tmp_path / "results" / "engine.json").read_text())
     rows = {r["name"]: r for r in receipt["results"]["rows"]}
     assert set(rows) == {"resident eager", "resident grouped_mm", "accelerate → disk", "accelerate → cpu",
-                         "moetray 10%", "moetray 25%", "moetray 50%", "moetray 90%", "moetray 100%"}
+                         "moetray 10%", "moetray 25%", "moetray 50%", "moetray 90%", "moetray 100%",
+                         "moetray 100% (lru)"}
     assert all(r["identical"] for r in rows.values())
     whole_layers = 2 * 8 * 3 * 64 * 32 * 4  # every expert of both layers, per token
     assert rows["accelerate → disk"]["bytes_per_token"] == whole_layers

@@ -101,6 +101,15 @@ def test_residency_plan_pins_copied_layers_and_refuses_an_unpinned_one():
     assert [c.value for c in cpu_plan.achieved_labels()] == ["pageable", "locked"]
 
 
+def test_general_expert_path_is_identical_too(qwen3):
+    """The general per-expert path (biases, transposed weights, custom gates: gpt-oss-style
+    flags) must match the stock loop as well; on the tiny families it is forced, since they
+    take the verbatim SwiGLU fast path. Prevents: the general path rotting unseen."""
+    om = load_offloaded_model(qwen3, capacity=6)
+    om.runtime._plain_swiglu = False
+    assert_identical(qwen3, om.model)
+
+
 # --- resize --------------------------------------------------------------------------------------
 
 
