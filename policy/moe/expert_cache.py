@@ -389,8 +389,8 @@ class _Horizon(_Ranker):
     ``d + L · (1/r − 1)`` layer calls, where ``d`` is the distance from the current layer to
     layer ``m``'s next visit. The largest horizon is evicted. Because a layer's experts all
     decay at the same rate between its visits, each layer's order is static and kept in a
-    heap; a victim compares the L layer heads (computed once per call, refreshed only for
-    the layer that lost an expert). The ``d`` term is what a global LRU lacks: when every
+    heap; the layers' heads sit in a max-heap by ``L · (1/r − 1)``, and a victim adds ``d``
+    only for the few layers within ``L`` of the best. The ``d`` term is what a global LRU lacks: when every
     expert is reused every token (the cyclic sweep) it evicts the layer that just ran
     instead of the one that runs next, and keeps ``capacity − k`` experts for good.
 
