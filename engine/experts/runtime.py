@@ -102,6 +102,7 @@ class ExpertRuntime:
         self.slot_device = _TorchSlotDevice(self.pool)
         self.slots = ExpertSlots(self.slot_device, store)
         self._slot_views = self._unpack_slots()
+        self._row0: dict[torch.device, torch.Tensor] = {}
         self._lock = threading.RLock()
         self.window_steps = window_steps
         self._window: list[deque[tuple[int, int, int]]] = [deque(maxlen=window_steps)
@@ -141,10 +142,21 @@ class ExpertRuntime:
         """Compute one MoE layer call; see the module docstring for the steps."""
         num_experts = self.num_experts
         final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        routed = [e for e in expert_hit[:, 0].tolist() if e < num_experts]
+        single: dict[int, int] | None = None  # one token (decode): expert → its top-k position
+        if hidden_states.shape[0] == 1:
+            row = top_k_index[0].tolist()
+            if len(set(row)) == len(row):
+                single = {e: pos for pos, e in enumerate(row) if e < num_experts}
+        if single is not None:
+            # The eager loop's masks select, for one token, exactly row 0 and this position;
+            # plain slices pick the same values without building the masks.
+            expert_mask = None
+            routed = sorted(single)
+        else:
+            with torch.no_grad():
+                expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+                expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+            routed = [e for e in expert_hit[:, 0].tolist() if e < num_experts]
 
         with self._lock:  # held for the whole call: a resize never swaps rows mid-compute
             plan = self._plan(layer, routed)
@@ -153,7 +165,8 @@ class ExpertRuntime:
             if on_cpu:
                 # Bring this call's inputs to the host before the slot copies are queued, so the
                 # device→host transfer does not wait behind them and the CPU work overlaps them.
-                host = (hidden_states.cpu(), top_k_weights.cpu(), expert_mask.cpu())
+                host = (hidden_states.cpu(), top_k_weights.cpu(),
+                        None if expert_mask is None else expert_mask.cpu())
             else:
                 host = None
             try:
@@ -169,21 +182,28 @@ class ExpertRuntime:
 
             computed: dict[int, torch.Tensor] = {}
             if host is not None:
-                states, weights, mask = host
                 for expert in on_cpu:
-                    top_k_pos, token_idx = torch.where(mask[expert])
+                    _, states, weights = _select(expert, single, *host)
                     computed[expert] = self._expert(module, self.store.weights(layer, expert),
-                                                    states[token_idx], weights[token_idx, top_k_pos, None])
+                                                    states, weights)
             for expert, slot in zip(routed, plan.slots, strict=True):
-                top_k_pos, token_idx = torch.where(expert_mask[expert])
+                token_idx, states, weights = _select(expert, single, hidden_states, top_k_weights,
+                                                     expert_mask)
                 if expert in computed:
                     current = computed[expert].to(hidden_states.device)
                 else:
-                    weights = self.store.weights(layer, expert) if slot is None else self._slot_views[slot]
-                    current = self._expert(module, weights, hidden_states[token_idx],
-                                           top_k_weights[token_idx, top_k_pos, None])
+                    current = self._expert(module, self.store.weights(layer, expert) if slot is None
+                                           else self._slot_views[slot], states, weights)
+                if token_idx is None:
+                    token_idx = self._first_row(hidden_states.device)
                 final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
         return final_hidden_states
+
+    def _first_row(self, device: torch.device) -> torch.Tensor:
+        index = self._row0.get(device)
+        if index is None:
+            index = self._row0[device] = torch.zeros(1, dtype=torch.long, device=device)
+        return index
 
     def _unpack_slots(self) -> list[dict[str, torch.Tensor]]:
         """Per-slot views of the pool's rows as the module's tensors (rebuilt when rows change)."""
@@ -408,6 +428,17 @@ class _TorchSlotDevice:
     def flush(self) -> None:
         """Copies are ordered before later kernels on the same CUDA stream; on the CPU every
         copy was a synchronous memcpy. Either way nothing needs waiting for here."""
+
+
+def _select(expert: int, single: dict[int, int] | None, states: torch.Tensor, weights: torch.Tensor,
+            mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(token_idx, the expert's input rows, its routing weights)`` as the eager loop gathers
+    them; for a single token, ``token_idx`` is None (row 0) and slices replace the gathers."""
+    if single is not None:
+        pos = single[expert]
+        return None, states, weights[:, pos:pos + 1]
+    top_k_pos, token_idx = torch.where(mask[expert])
+    return token_idx, states[token_idx], weights[token_idx, top_k_pos, None]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
