@@ -21,7 +21,7 @@ from PySide6.QtCore import QObject, Signal
 
 from moetray.policy import wire
 from moetray.policy.pool_budget import BudgetTooSmall, PoolBudget, PoolLimits, PoolSizes, Projection
-from moetray.ui.viewmodels import ApplyOutcome
+from moetray.ui.viewmodels import ApplyOutcome, rebuild_outcome
 
 PRESET_LABELS = {"minimum": "Minimum", "chat": "Chat", "agent": "Agent"}
 
@@ -68,6 +68,7 @@ class PoolsModel(QObject):
         self.user_moved = False
         self.applying = False
         self.outcome: ApplyOutcome | None = None
+        self._last_seen: Mapping[str, Any] | None = None
 
     # -- derived ----------------------------------------------------------------------
 
@@ -135,6 +136,7 @@ class PoolsModel(QObject):
             self._derive_limits()
             changed = True
         changed |= self._set("current", current)
+        self._take_last_rebuild(snap.get("last_rebuild"))
         if changed:
             self.changed.emit()
         if not self.user_moved and not self.applying:
@@ -205,6 +207,24 @@ class PoolsModel(QObject):
         self.changed.emit()
 
     # -- internals ---------------------------------------------------------------------
+
+    def _take_last_rebuild(self, last: Mapping[str, Any] | None) -> None:
+        """Show a re-split made by any client (curl included) as the last outcome.
+
+        Skipped while our own Apply runs, and when it is the one this model already
+        shows (our own Apply's reply carries the engine's sentence, which the snapshot's
+        copy does not).
+        """
+        if not last or last == self._last_seen or self.applying:
+            return
+        self._last_seen = last
+        outcome = rebuild_outcome(200, last)
+        mine = self.outcome
+        if mine is not None and (mine.outcome, mine.before, mine.after, mine.elapsed_ms) == (
+                outcome.outcome, outcome.before, outcome.after, outcome.elapsed_ms):
+            return
+        self.outcome = outcome
+        self.outcome_changed.emit()
 
     def _set(self, name: str, value: Any) -> bool:
         if getattr(self, name) == value:

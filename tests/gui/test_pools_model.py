@@ -130,3 +130,23 @@ def test_finishing_apply_shows_the_outcome_and_the_new_sizes():
     model.finish_apply(outcome)
     assert not model.applying and model.outcome is outcome
     assert model.current == PoolSizes(16, 104) and model.selection == model.current
+
+
+def test_a_resplit_made_by_another_client_is_shown_as_the_last_outcome():
+    # Whatever the UI can do, curl can do: the dashboard must not miss a curl re-split.
+    model = serving_model()
+    model.apply_snapshot(SNAPS[5])  # carries last_rebuild: applied 12 → 16 slots
+    assert model.outcome is not None and model.outcome.outcome == "applied"
+    assert model.outcome.after.moe_slots == 16
+
+
+def test_our_own_apply_keeps_the_engines_sentence_when_the_snapshot_echoes_it():
+    model = serving_model()
+    model.select_slots(16)
+    model.begin_apply()
+    body = dict(SNAPS[5]["last_rebuild"])
+    mine = rebuild_outcome(200, body)
+    mine = type(mine)(**{**mine.__dict__, "message": "applied, 4 slots moved"})
+    model.finish_apply(mine)
+    model.apply_snapshot(SNAPS[5])  # the same re-split, as the snapshot reports it
+    assert model.outcome is mine
