@@ -120,6 +120,35 @@ class _ModuleLink:
         return hook
 
 
+class _Replay:
+    """Forces each experts call's ``top_k_index`` to a recorded routing trace (forward pre-hooks on
+    the Experts modules, so every row of the comparison sees the same routing). Token ``t`` of a
+    decode uses trace token ``t`` (wrapping); :meth:`reset` restarts at token 0."""
+
+    def __init__(self, trace, model):
+        self.trace = trace
+        self.pos = 0
+        modules = [m for _, m in expert_modules(model)]
+        if len(modules) != trace.num_layers:
+            raise ValueError(f"trace has {trace.num_layers} layers, the model {len(modules)}")
+        self.handles = [m.register_forward_pre_hook(self._hook(layer, layer == len(modules) - 1))
+                        for layer, m in enumerate(modules)]
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    def _hook(self, layer: int, last: bool):
+        tokens = self.trace.tokens
+
+        def hook(module, args):
+            hidden, index, weights = args
+            rows = [tokens[(self.pos + t) % len(tokens)][layer] for t in range(index.shape[0])]
+            if last:
+                self.pos += index.shape[0]
+            return hidden, torch.tensor(rows, dtype=index.dtype, device=index.device), weights
+        return hook
+
+
 def _accelerate(checkpoint: Path, target: str, offload_dir: Path):
     from transformers import AutoModelForCausalLM
 
@@ -168,7 +197,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--skip-accelerate", action="store_true")
     parser.add_argument("--fetch-fraction", type=float, default=None,
                         help="q* fraction for moetray (default: this device's bandwidth profile, if any)")
-    parser.add_argument("--receipt", default="engine")
+    parser.add_argument("--receipt", default=None, help="default: engine, or engine-trace with --trace")
+    parser.add_argument("--trace", default=None,
+                        help="replay this routing trace (moetray bench trace's JSON format); the model "
+                             "takes the trace's layers, experts and top-k")
     parser.add_argument("--compare-policy", default="lru",
                         help="also time moetray at 100 %% with this planner policy ('' to skip)")
     args = parser.parse_args(argv)
@@ -176,9 +208,18 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="moetray-bench-engine-"))
     device = torch.device(args.device)
+    trace = None
+    folder = "model"
+    if args.trace:
+        from moetray.engine.bench.trace import load_trace_json
+
+        trace = load_trace_json(args.trace)
+        args.layers, args.experts, args.top_k = trace.num_layers, trace.num_experts, trace.top_k
+        folder = f"model-L{args.layers}-E{args.experts}-k{args.top_k}"
+    args.receipt = args.receipt or ("engine-trace" if trace else "engine")
 
     _progress(f"building the checkpoint in {workdir}")
-    checkpoint = make_checkpoint(workdir / "model", hidden=args.hidden, inter=args.inter, layers=args.layers,
+    checkpoint = make_checkpoint(workdir / folder, hidden=args.hidden, inter=args.inter, layers=args.layers,
                                  experts=args.experts, top_k=args.top_k, vocab=args.vocab)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, args.vocab, (1, args.prompt), generator=generator).to(device)
@@ -218,6 +259,16 @@ def main(argv: list[str]) -> int:
                                link_bytes=lambda: om_alt.runtime.total_bytes,
                                extra={"capacity": total_experts, "fraction": 1.0,
                                       "policy": args.compare_policy}))
+
+    if trace is not None:
+        replays: dict[int, _Replay] = {}
+        for cfg in configs:
+            if id(cfg.model) not in replays:
+                replays[id(cfg.model)] = _Replay(trace, cfg.model)
+        for cfg in configs:
+            replay, select = replays[id(cfg.model)], cfg.select
+            cfg.select = lambda replay=replay, select=select: (replay.reset(), select())
+        _progress(f"replaying routing trace {trace.name} ({len(trace.tokens)} tokens)")
 
     for rep in range(args.repeats):  # round-robin, so load drift on a shared box hits every row alike
         for cfg in configs:
@@ -271,7 +322,8 @@ def main(argv: list[str]) -> int:
     _progress("goals: " + "; ".join(f"{k}: {v}" for k, v in goals.items()))
     params = {k: getattr(args, k) for k in ("hidden", "inter", "layers", "experts", "top_k", "vocab",
                                             "tokens", "prompt", "repeats", "link_gbps", "device")}
-    params.update(threads=torch.get_num_threads(), expert_bytes=expert_bytes, dtype="float32",
+    params.update(trace=args.trace, threads=torch.get_num_threads(), expert_bytes=expert_bytes,
+                  dtype="float32",
                   policy=rt.cache.policy, backend=rt.backend, fetch_fraction=rt.fetch_fraction)
     path = write_receipt(
         args.receipt, params=params,
@@ -290,7 +342,10 @@ def main(argv: list[str]) -> int:
                "ratios (paired in time, so load drift on a shared machine cancels).",
                "accelerate rows: the throttle is booked with each experts module's full parameter bytes per "
                "forward (what its offload hook moves to a GPU); moetray rows: only the slot copies.",
-               "Random-init routing is sticky, so hit rates are optimistic (see the trace benchmark).",
+               (f"Routing replayed from {args.trace} (real text), forced into every row alike."
+                if trace else
+                "Random-init routing is sticky, so hit rates are optimistic (see `--trace` and the trace "
+                "benchmark)."),
                *[f"{k}: {'met' if v else ('n/a' if v is None else 'NOT met')}" for k, v in goals.items()],
                f"T3 (≥3× accelerate) holds for: {', '.join(t3_at) or 'none'}",
                "reproduce: `.venv/bin/moetray bench engine"
