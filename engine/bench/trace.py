@@ -647,6 +647,8 @@ def main(argv: list[str]) -> int:
         "admitted (no q* bypass) except in MIN+bypass.",
         "tok/s columns: transfer-only ceiling B/((1−h)·384·S_e) at Qwen3-30B-A3B bf16 geometry "
         "(9.44 MB experts) on a 25 GB/s PCIe 4.0 link, using the trace's hit rate (moe-offload.md §2.1).",
+        "static = the best fixed hot set, loaded before the trace starts (no cold misses), so it can "
+        "exceed MIN at large capacities; MIN and every online policy start cold.",
         "Synthetic traces are calibrated to published per-layer LRU curves; see results.calibration "
         "for the fit. Real-text traces: " + (", ".join(real) if real else
                                              "none found under bench/traces (the reader is ready)."),
