@@ -46,11 +46,20 @@ class LinkThrottle:
 
     def transfer(self, nbytes: int) -> None:
         """Book ``nbytes`` on the link and sleep while the booking runs ahead of the clock."""
+        self.book(nbytes)
+        self.settle()
+
+    def book(self, nbytes: int) -> None:
+        """Book ``nbytes``: the link is busy until ``max(now, busy_until) + nbytes / rate``."""
         now = self._clock()
-        start = max(now, self.busy_until)
-        self.busy_until = start + nbytes / self.rate
+        self.busy_until = max(now, self.busy_until) + nbytes / self.rate
         self.booked_bytes += nbytes
-        ahead = self.busy_until - now
+
+    def settle(self) -> None:
+        """Sleep while the bookings run more than ``slack_s`` ahead of the clock. Called after
+        the real copy, so a copy costs ``max(its own time, bytes / rate)``, as a DMA engine
+        would, rather than the sum."""
+        ahead = self.busy_until - self._clock()
         if ahead > self.slack_s:
             self._sleep(ahead)
             self.slept_s += ahead
@@ -116,8 +125,10 @@ class SlotPool:
             raise ValueError(f"row of {row.numel()} × {row.dtype} does not fit a slot of "
                              f"{self.row_numel} × {self.dtype}")
         if self.throttle is not None:
-            self.throttle.transfer(self.row_bytes)
+            self.throttle.book(self.row_bytes)
         self.rows[slot].copy_(row, non_blocking=self.device.type == "cuda" and row.is_pinned())
+        if self.throttle is not None:
+            self.throttle.settle()
         self.copies += 1
         self.bytes_copied += self.row_bytes
 

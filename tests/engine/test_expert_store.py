@@ -106,3 +106,25 @@ def test_slot_pool_refuses_a_row_of_the_wrong_size():
     pool.write(1, torch.arange(8, dtype=torch.float32))
     assert torch.equal(pool.rows[1], torch.arange(8, dtype=torch.float32))
     assert pool.bytes_copied == 32
+
+
+def test_throttled_copy_costs_the_slower_of_copy_and_link():
+    """A throttled copy takes max(its own memcpy time, bytes / rate) — a DMA engine's cost —
+    not the sum: the booking is made before the copy and only the remainder is slept after.
+    Prevents: charging the emulated link twice (memcpy + sleep) on a CPU-only machine."""
+    now = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(s):
+        sleeps.append(s)
+        now[0] += s
+
+    link = LinkThrottle(1.0, clock=lambda: now[0], sleep=sleep, slack_s=0.0)
+    link.book(1_000_000)  # 1 ms of link time
+    now[0] += 0.0004  # the memcpy itself took 0.4 ms
+    link.settle()
+    assert now[0] == pytest.approx(0.001) and sleeps == [pytest.approx(0.0006)]
+    link.book(1_000_000)
+    now[0] += 0.003  # a slow memcpy (3 ms) hides the link time entirely
+    link.settle()
+    assert now[0] == pytest.approx(0.004) and len(sleeps) == 1
