@@ -13,13 +13,19 @@ already computed, from ``generate`` and from continuous batching alike. For each
    store into the slot pool (validated whole before any write);
 4. computes every routed expert in ascending id order with the eager implementation's own
    op sequence (``linear`` → gate → ``linear`` → × routing weight → ``index_add_``), from
-   its slot, or from the host store when the plan sent it to the CPU;
+   its slot, or from the host store when the plan sent it to the CPU (for a one-token call,
+   i.e. decode, the eager loop's mask-and-gather reduces to slicing row 0, which selects the
+   same values without building masks);
 5. records per-layer hits, misses and bytes moved over a sliding window and in total.
 
 In fp32 the output is bit-identical to the stock ``"eager"`` implementation with every expert
 resident, at any capacity: the same tensors meet the same kernels in the same order; only
 where the bytes were read from differs. (On CUDA, an expert the plan sends to the CPU is
 computed by the CPU's kernels and is then only close, not bit-equal.)
+
+Costs to know: listing the routed experts reads the routing on the host (``tolist``), so on
+CUDA every MoE layer call has one device→host sync; planning is Python per call (see
+``ExpertCache``'s policies for their cost). Neither is CUDA-graph-capturable.
 """
 
 from __future__ import annotations
