@@ -393,6 +393,18 @@ class Engine:
                 prefill += 1
         return EngineActivity(pending_prefill=prefill, running_decode=decode, undrained_replies=undrained)
 
+    def chat_support(self):
+        """The loaded model's chat support; before a model is loaded, refuses with the gate's state.
+
+        Not the admission check (``admit`` is, atomically with registration): only what
+        building a prompt needs.
+        """
+        chat = self.chat
+        if chat is None or self.ceiling is None:
+            state = self.gate.state.value
+            raise EngineUnavailable(state, f"server unavailable: engine is {state}")
+        return chat
+
     def admit(
         self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling, request_id: str | None = None
     ) -> RequestRecord:

@@ -243,8 +243,7 @@ def build_router(engine: Engine) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        engine.gate.check_admission()
-        chat = engine.chat
+        chat = engine.chat_support()
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         template_kwargs = chat.template_kwargs(body.reasoning_effort, body.chat_template_kwargs)
@@ -278,8 +277,7 @@ def build_router(engine: Engine) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        engine.gate.check_admission()
-        chat = engine.chat
+        chat = engine.chat_support()
         if body.echo:
             raise ApiError("invalid_request_error", "echo is not supported", param="echo")
         prompt = body.prompt

@@ -258,6 +258,8 @@ async def test_many_distinct_prompts_through_a_small_pool_all_complete_and_pages
         assert stats.used == 0
         assert stats.free + stats.evictable == stats.total
         assert runner.ledger.evictions, "this workload only completes if radix evicts"
+        scheduler = runner.manager.batch_processor.scheduler
+        assert runner.ledger.demand.__self__ is scheduler  # the substrate's flush asks the scheduler's demand
         runner.check_integrity()
     finally:
         runner.stop()
@@ -324,3 +326,21 @@ async def test_memory_pressure_reclaims_an_anchor_rather_than_starving_a_request
     result = await _anchored_turn_under_pressure(model, tok, ANCHOR, pressure_extra_pages=None)
     assert result["released"]["pressure"] == 1
     assert result["held_after"] == 0
+
+
+def test_the_substrates_own_flush_is_bounded_by_the_pressure_at_hand():
+    """Before offloading, the substrate flushes every cached block; radix frees only the demand, LRU first."""
+    ledger = RadixLedger(4)
+    for turn, base in enumerate((10, 20, 30)):  # three cached turns, oldest first
+        blocks = [base, base + 1]
+        for block in blocks:
+            ledger.cached_blocks[block] = None
+            ledger.hash_to_block[hash((turn, block))] = block
+            ledger.block_to_hash[block] = hash((turn, block))
+        ledger.insert([100 * turn + k for k in range(8)], blocks)
+    ledger.demand = lambda: 2
+    assert sorted(ledger.evict_cached_blocks()) == [10, 11]
+    assert set(ledger.cached_blocks) == {20, 21, 30, 31}
+    ledger.demand = None  # no scheduler has said what it needs: the stock full flush
+    assert sorted(ledger.evict_cached_blocks()) == [20, 21, 30, 31]
+    assert not ledger.hash_to_block and not ledger.tree_blocks
