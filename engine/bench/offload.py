@@ -149,7 +149,7 @@ class _Replay:
         return hook
 
 
-def _accelerate(checkpoint: Path, target: str, offload_dir: Path):
+def _accelerate(checkpoint: Path, target: str, offload_dir: Path, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     from moetray.engine.experts.loader import build_skeleton
@@ -167,7 +167,7 @@ def _accelerate(checkpoint: Path, target: str, offload_dir: Path):
             elif any(e.startswith(full + ".") for e in experts):
                 place(full + ".", child)
             else:
-                device_map[full] = "cpu"
+                device_map[full] = "cpu" if device.type == "cpu" else str(device)
         if any(True for _ in module.parameters(recurse=False)):
             raise RuntimeError(f"{prefix or 'the model'} holds parameters beside its experts")
 
@@ -190,7 +190,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="generated tokens per timed run")
     parser.add_argument("--prompt", type=int, default=16, help="prompt length")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--link-gbps", type=float, default=25.0)
+    parser.add_argument("--link-gbps", type=float, default=None,
+                        help="emulated link GB/s (default: 25 on the CPU device tier; a GPU uses its own)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workdir", default=None, help="where the checkpoint is built (default: a temp dir)")
@@ -208,6 +209,8 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="moetray-bench-engine-"))
     device = torch.device(args.device)
+    if args.link_gbps is None and device.type == "cpu":
+        args.link_gbps = 25.0
     trace = None
     folder = "model"
     if args.trace:
@@ -235,8 +238,9 @@ def main(argv: list[str]) -> int:
         for target in ("disk", "cpu"):
             _progress(f"loading: accelerate offload → {target}")
             offload_dirs.append(tempfile.TemporaryDirectory(dir=workdir))
-            model = _accelerate(checkpoint, target, Path(offload_dirs[-1].name))
-            link = _ModuleLink(model, args.link_gbps, args.experts * expert_bytes)
+            model = _accelerate(checkpoint, target, Path(offload_dirs[-1].name), device)
+            # On a GPU the hook's copies cross the real link; the emulated one only stands in for it.
+            link = _ModuleLink(model, args.link_gbps or float("inf"), args.experts * expert_bytes)
             configs.append(_Config(f"accelerate → {target}", "accelerate", model,
                                    link_bytes=lambda link=link: link.bytes))
     _progress("loading: moetray (one model; the slot pool is resized between rows)")
@@ -334,7 +338,8 @@ def main(argv: list[str]) -> int:
                  "× best accelerate", "identical"],
         rows=table,
         title=(f"Offloading engine vs resident vs accelerate ({args.device}, "
-               f"link {args.link_gbps:g} GB/s emulated)"),
+               + (f"link {args.link_gbps:g} GB/s emulated)" if args.link_gbps else "real link)")
+               + (" — routing trace replay" if trace else "")),
         notes=[f"Random-init Qwen3-MoE H={args.hidden}, I={args.inter}, {args.layers} layers × "
                f"{args.experts} experts, top-{args.top_k}, fp32 ({expert_bytes / 2**20:.2f} MiB per expert); "
                f"greedy decode of {args.tokens} tokens after a {args.prompt}-token prompt, "

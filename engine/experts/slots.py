@@ -34,7 +34,7 @@ class LinkThrottle:
     def __init__(self, gbps: float, *, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep, slack_s: float = 2e-4):
         if not gbps > 0:
-            raise ValueError(f"link rate must be positive, got {gbps!r} GB/s")
+            raise ValueError(f"link rate must be positive, got {gbps!r} GB/s")  # inf: books, never sleeps
         self.gbps = float(gbps)
         self.rate = self.gbps * 1e9
         self._clock = clock
