@@ -14,13 +14,23 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from moetray.engine.core import Engine, EngineOptions
-from moetray.engine.security import BindRefused, Credentials, HostPolicy, check_bind, load_credentials
+# OpenMP workers that spin-wait between parallel regions steal the core the batch loop needs
+# on a desktop shared with other programs (and on a busy CI box: 20-50x slower steps). This
+# must be set before torch loads libgomp, so torch is imported lazily below. A user's own
+# setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from moetray.engine.security import BindRefused, Credentials, HostPolicy, check_bind, load_credentials  # noqa: E402
+
+if TYPE_CHECKING:
+    from moetray.engine.core import Engine, EngineOptions
 
 log = logging.getLogger("moetray.engine.serve")
 
@@ -86,8 +96,12 @@ def parser() -> argparse.ArgumentParser:
         help="seconds a re-split waits for running requests",
     )
     p.add_argument("--test-hooks", action="store_true", help="enable the forced-token test hook (tests only)")
-    p.add_argument("--test-step-delay-ms", type=float, default=0.0,
-                   help="with --test-hooks: hold every batch step this long (tests only)")
+    p.add_argument(
+        "--test-step-delay-ms",
+        type=float,
+        default=0.0,
+        help="with --test-hooks: hold every batch step this long (tests only)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -109,6 +123,8 @@ def moe_capacity(spec: str | None, model_dir: Path | None) -> int | None:
 
 
 def options_from(args: argparse.Namespace) -> EngineOptions:
+    from moetray.engine.core import EngineOptions
+
     return EngineOptions(
         model_dir=args.model,
         device=args.device,
@@ -141,8 +157,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(engine: Engine, credentials: Credentials, hosts: HostPolicy, *, log_level: str = "info",
-                load_on_startup: bool = True):
+def make_server(
+    engine: Engine,
+    credentials: Credentials,
+    hosts: HostPolicy,
+    *,
+    log_level: str = "info",
+    load_on_startup: bool = True,
+):
     """A uvicorn server for the engine's app (call ``.run(sockets=[sock])``)."""
     import uvicorn
 
@@ -175,6 +197,8 @@ def main(argv: list[str]) -> int:
         log.info("admin token written to %s (mode 0600)", credentials.token_file)
     else:
         log.info("admin token taken from the environment")
+    from moetray.engine.core import Engine
+
     engine = Engine(options)
     server = make_server(
         engine,

@@ -6,8 +6,12 @@ stop, latch or reconfigure an engine start their own with ``start_engine``.
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moetray serve` sets it (before torch loads)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from engine_harness import LiveEngine
 
 # CI and this machine share two cores between many processes: one intra-op thread per
