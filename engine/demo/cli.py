@@ -20,7 +20,7 @@ from moetray.engine.demo import DemoBuildError, demo_model_path, demo_source_cac
 
 
 class ProgressBar:
-    """A one-line text progress bar on a terminal stream; each stage ends with a newline."""
+    """A text progress bar: redrawn in place on a terminal, one line per update in a log."""
 
     def __init__(self, stream: TextIO = sys.stderr, width: int = 30) -> None:
         self.stream = stream
@@ -43,7 +43,7 @@ class ProgressBar:
         finished = total is not None and done >= total
         if self.tty:
             self.stream.write("\r" + line + ("\n" if finished else ""))
-        elif finished or done == 0:
+        else:  # a log: one line per update (updates are coarse: one per layer at most)
             self.stream.write(line + "\n")
         self.stream.flush()
 
@@ -83,7 +83,11 @@ def main(argv: list[str]) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
     from moetray.engine.demo.build import DEFAULT_RECIPE, MIXTRAL_RECIPE, build_demo
+
+    hf_logging.disable_progress_bar()  # our bar is the one the user reads
 
     recipe = DEFAULT_RECIPE if args.layout == "qwen2_moe" else MIXTRAL_RECIPE
     changes = {"calibration_tokens": args.calibration_tokens, "grouping_tokens": args.grouping_tokens,
@@ -96,7 +100,8 @@ def _build(args: argparse.Namespace) -> int:
         return 0
     started = time.monotonic()
     try:
-        build_demo(dest, recipe, cache_dir=demo_source_cache(), wheel=args.wheel, progress=ProgressBar())
+        build_demo(dest, recipe, cache_dir=demo_source_cache(), wheel=args.wheel, progress=ProgressBar(),
+                   force=args.force)
     except DemoBuildError as exc:
         print(f"moetray model build-demo: {exc.kind}: {exc.detail}", file=sys.stderr)
         return 1

@@ -125,15 +125,18 @@ def ridge_router(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor
     return torch.linalg.solve(gram + lam * eye, xd.T @ y.double()).T.contiguous()
 
 
-def scale_router(router: torch.Tensor, x: torch.Tensor, logit_std: float) -> torch.Tensor:
-    """The router rescaled so its logits on ``x`` have standard deviation ``logit_std`` (float64).
+def scale_router(router: torch.Tensor, x: torch.Tensor, logit_spread: float) -> torch.Tensor:
+    """The router rescaled so no token of ``x`` has logits spread wider than ``logit_spread`` (float64).
 
-    Tiny logits make the softmax uniform to about ``logit_std`` relative, so each expert's
-    routing weight is ≈ 1/E (Qwen2-MoE) or ≈ 1/k after top-k renormalisation (Mixtral); the
-    down projections carry the inverse factor. The ranking, hence the routing, is unchanged.
+    Tiny logits make the softmax uniform, so each expert's routing weight is ≈ 1/E (Qwen2-MoE)
+    or ≈ 1/k after top-k renormalisation (Mixtral); the down projections carry the inverse
+    factor. Bounding the widest per-token spread (max − min logit), not the average, bounds
+    every token's weight error by about ``logit_spread`` relative, including the position-0
+    tokens whose hidden states are outliers. The ranking, hence the routing, is unchanged.
     """
-    std = (x.double() @ router.T).std()
-    return router * (logit_std / float(std))
+    logits = x.double() @ router.T
+    widest = float((logits.max(dim=1).values - logits.min(dim=1).values).max())
+    return router * (logit_spread / widest)
 
 
 def fit_layer(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
