@@ -646,6 +646,50 @@ def kv_overhead_bytes(
 Handler = Callable[[GenerationOutput], None]
 
 
+@contextmanager
+def _lazily_zeroed_cpu_cache(device: torch.device) -> Iterator[None]:
+    """While the substrate builds its paged cache on the CPU, back it with anonymous memory.
+
+    ``PagedAttentionCache`` allocates its one flat cache tensor with ``torch.zeros``, which on
+    the CPU writes every byte up front (a 1 GiB pool: most of a second on a busy machine,
+    which is most of a live KV re-split). An anonymous mapping is zero by definition and
+    the kernel materialises each page on first touch, so the pool is ready at once and the
+    cost moves to the steps that first use each page. Only the cache module's ``torch.zeros``
+    for the CPU is affected, only while the cache is being built (no other batch loop runs
+    then), and the real module is restored on exit. Off the CPU (CUDA memsets are fast) this
+    does nothing.
+    """
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    import mmap
+
+    from transformers.generation.continuous_batching import cache as cache_module
+
+    real = cache_module.torch
+
+    class _ZeroMappedTorch:
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+        @staticmethod
+        def zeros(size, *, dtype, device):
+            if (
+                dtype is real.uint8
+                and real.device(device).type == "cpu"
+                and isinstance(size, int)
+                and size > 0
+            ):
+                return real.frombuffer(mmap.mmap(-1, size), dtype=real.uint8)
+            return real.zeros(size, dtype=dtype, device=device)
+
+    cache_module.torch = _ZeroMappedTorch()
+    try:
+        yield
+    finally:
+        cache_module.torch = real
+
+
 class BatchRunner:
     """One continuous-batching manager over a model, sized to ``kv_pages`` pages.
 
@@ -691,7 +735,8 @@ class BatchRunner:
         manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.logit_processor = _processor_list()
         try:
-            manager.warmup()  # builds the batch processor (and so the KV pool) on this thread
+            with _lazily_zeroed_cpu_cache(self.model.device):
+                manager.warmup()  # builds the batch processor (and so the KV pool) on this thread
             processor = manager.batch_processor
             cache = processor.cache
             if cfg.prefix_policy == "radix":
