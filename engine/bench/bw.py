@@ -184,7 +184,7 @@ def main(argv: list[str]) -> int:
                f"backend chosen from the overlapped pair: {profile.backend}; q* fetch fraction "
                f"{profile.fetch_fraction:.3f}" if profile.fetch_fraction is not None else
                f"backend: {profile.backend}",
-               "reproduce: `.venv/bin/moetray bench bw" + (" --device cuda`" if cuda else "`")])
+               "reproduce: `" + " ".join([".venv/bin/moetray bench bw", *argv]) + "`"])
     _progress(f"receipt: {receipt}")
     print(f"backend {profile.backend}, fetch fraction {profile.fetch_fraction}")
     return 0

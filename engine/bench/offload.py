@@ -188,6 +188,19 @@ def _accelerate(checkpoint: Path, target: str, offload_dir: Path, device: torch.
     return model.eval()
 
 
+def _public_argv(argv: list[str]) -> list[str]:
+    """The command-line arguments worth repeating (a scratch --workdir is not)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--workdir":
+            skip = True
+        elif not arg.startswith("--workdir="):
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moetray bench engine", description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=512)
@@ -375,8 +388,7 @@ def main(argv: list[str]) -> int:
                 "benchmark)."),
                *[f"{k}: {'met' if v else ('n/a' if v is None else 'NOT met')}" for k, v in goals.items()],
                f"T3 (≥3× accelerate) holds for: {', '.join(t3_at) or 'none'}",
-               "reproduce: `.venv/bin/moetray bench engine"
-               + (f" --device {args.device}" if args.device != "cpu" else "") + "`"])
+               "reproduce: `" + " ".join([".venv/bin/moetray bench engine", *_public_argv(argv)]) + "`"])
     _progress(f"receipt: {path}")
     return 0
 
