@@ -85,6 +85,11 @@ def test_cpu_layers_are_never_copied_and_identical(tiny_moe):
     checkpoint = tiny_moe("qwen2_moe", "per_expert")
     om = load_offloaded_model(checkpoint, capacity=CAPACITIES["full"], cpu_layers="1,")
     assert om.runtime.cpu_layers == frozenset({1})
+    # The residency plan ran on the live load: the CPU layer's bank was asked to be mlock-ed
+    # (locked, or pageable where the lock quota is exhausted); the copied layer stays pageable
+    # on the CPU device tier (there is no device to pin for).
+    assert om.runtime.host_residency[0] == "pageable"
+    assert om.runtime.host_residency[1] in {"locked", "pageable"}
     assert_identical(checkpoint, om.model)
     residency = om.runtime.snapshot()["residency"]
     assert all(slot is None for slot in residency[1])
