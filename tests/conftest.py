@@ -19,6 +19,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Spinning OpenMP workers make tiny-tensor steps 20-100x slower when threads share 2 cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _TIER_BY_FOLDER = {"unit": "unit", "engine": "engine", "api": "api", "gui": "gui"}
 
