@@ -9,7 +9,9 @@
 - Signal handlers go through the loop (``add_signal_handler``: the wake-up fd is a socket
   notifier on the Qt loop), so SIGTERM and Ctrl-C reach Python while Qt is in ``exec``.
 - Tests drive a loop that is "already running" under pytest-qt's event processing:
-  :func:`attach_loop` makes one and :func:`detach_loop` undoes it.
+  :func:`attach_loop` makes one and :func:`detach_loop` undoes it without
+  ``QApplication.exit()`` (which, with no ``exec()`` running, leaves every later nested
+  event loop dead).
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ def detach_loop(loop: asyncio.AbstractEventLoop) -> None:
     cancel_pending(loop)
     for _ in range(3):
         QApplication.processEvents()
-    loop.stop()  # an "already running" loop counts as running until stopped (app.exit is a no-op)
+    # loop.stop() would call QApplication.exit(): with no exec() running that leaves Qt's
+    # "quit now" flag set, and every later QEventLoop.exec() (pytest-qt's waits) returns at
+    # once without processing events. Mark the loop stopped without it.
+    loop._QEventLoop__is_running = False
     asyncio.events._set_running_loop(None)
     loop.close()

@@ -129,9 +129,11 @@ def test_shutdown_runs_once_however_many_exit_paths_fire(qapp, qloop, qtbot, tmp
         await original()
 
     apps[0].shutdown = counting_shutdown
-    apps[0].quit()  # the tray's Quit …
-    qapp.aboutToQuit.emit()  # … and the session ending, twice
-    qapp.aboutToQuit.emit()
+    # The tray's Quit, the window's Quit button and the last window closing, all at once.
+    # (aboutToQuit is wired the same way; emitting it here would end pytest-qt's own loop.)
+    apps[0].quit()
+    apps[0].window.header.quit.click()
+    apps[0].window.close()
     qtbot.waitUntil(task.done, timeout=30000)
     assert task.result() == 0 and shutdowns == [1]
     assert not single.listening
