@@ -136,6 +136,8 @@ class _TopPProcessor(ContinuousBatchingLogitsProcessor):
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         top_p = tensor_arg[: scores.size(0)].view(dtype=torch.float32)
         keep_all = top_p >= 1.0
+        if bool(keep_all.all()):  # the common case: no row asks for nucleus sampling
+            return scores
         sorted_logits, sorted_idx = torch.sort(scores, descending=False, dim=-1)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         remove_sorted = cumulative <= (1.0 - top_p).unsqueeze(-1)
@@ -185,6 +187,9 @@ class _DrawProcessor(ContinuousBatchingLogitsProcessor):
         code = tensor_arg[: scores.size(0)].to(torch.int64)
         vocab = scores.size(-1)
         greedy = scores.argmax(dim=-1)
+        if not bool((code >= 0).any()):  # greedy and forced rows only: no distribution needed
+            choice = torch.where(code == -1, greedy, (-code - 2).clamp(min=0, max=vocab - 1))
+            return torch.full_like(scores, float("-inf")).scatter_(-1, choice.unsqueeze(-1), 0.0)
         probs = torch.softmax(scores.float(), dim=-1)
         cdf = probs.cumsum(dim=-1)
         u = (code.clamp(min=0).to(torch.float64) / _U_SCALE).to(cdf.dtype).unsqueeze(-1)

@@ -234,6 +234,16 @@ class Engine:
         device = loader.resolve_device(opts.device)
         dtype = loader.resolve_dtype(opts.dtype, info, device)
         top_k = opts.top_k or info.default_top_k
+        if top_k != info.top_k and not info.top_k_adjustable:
+            raise loader.CheckpointError(
+                "top_k_fixed",
+                f"this checkpoint was built for top-{info.top_k}; "
+                f"its sidecar says top-k is not adjustable (asked for {top_k})",
+            )
+        if not 1 <= top_k <= info.num_experts:
+            raise loader.CheckpointError(
+                "bad_top_k", f"top-k must lie in [1, {info.num_experts}], got {top_k}"
+            )
         floor_slots = info.num_experts  # one layer of experts
         baseline_free = cuda_free_bytes(device)[0] if device.type == "cuda" else None
         loaded = loader.load_checkpoint(
@@ -379,7 +389,9 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def activity(self) -> EngineActivity:
-        """What the engine is doing now, counted from the registry (replies not yet drained included)."""
+        """What the engine is doing now: registered requests (replies not yet drained included),
+        plus any request the batch loop still holds after its reply ended (a cancelled request
+        keeps its pages until the loop's next step boundary)."""
         with self.lock:
             records = list(self.registry.values())
         live = {r.request_id: r.state for r in self.runner.live_requests()} if self.runner else {}
@@ -391,6 +403,13 @@ class Engine:
                 decode += 1
             else:
                 prefill += 1
+        known = {rec.id for rec in records}
+        for rid, state in live.items():
+            if rid not in known:
+                if state == "decode":
+                    decode += 1
+                else:
+                    prefill += 1
         return EngineActivity(pending_prefill=prefill, running_decode=decode, undrained_replies=undrained)
 
     def chat_support(self):
@@ -418,7 +437,10 @@ class Engine:
             self.gate.check_admission()
             runner = self.runner
             if runner is None or not runner.running:
+                # The batch loop died under us: nothing can be served any more, say so for good.
                 reason = runner.fatal_error if runner is not None else None
+                self.gate.latch_failed()
+                self.load_error = self.load_error or f"the batch loop stopped: {reason}"
                 raise EngineUnavailable("failed", f"the batch loop is not running ({reason})")
             if rid in self.registry:
                 raise ValueError(f"request id {rid!r} is already in flight")

@@ -51,6 +51,7 @@ class CheckpointInfo:
     num_experts: int
     top_k: int
     default_top_k: int
+    top_k_adjustable: bool
     expert_intermediate: int
     hidden_size: int
     context_length: int | None
@@ -94,7 +95,8 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     if (root / SIDECAR).is_file():
         sidecar = json.loads((root / SIDECAR).read_text())
     default_top_k = sidecar.get("default_top_k")
-    if not (isinstance(default_top_k, int) and 1 <= default_top_k <= num_experts):
+    adjustable = sidecar.get("top_k_adjustable", True) is not False
+    if not (adjustable and isinstance(default_top_k, int) and 1 <= default_top_k <= num_experts):
         default_top_k = top_k
     arch = (config.architectures or [type(config).__name__])[0]
     label = sidecar.get("label") or f"{arch} ({num_experts} experts, top-{default_top_k})"
@@ -108,6 +110,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         num_experts=num_experts,
         top_k=top_k,
         default_top_k=default_top_k,
+        top_k_adjustable=adjustable,
         expert_intermediate=inter,
         hidden_size=text.hidden_size,
         context_length=_first_int(text, "max_position_embeddings"),

@@ -48,7 +48,8 @@ async def prepare_stop(
             DEFAULT_ABORT_TIMEOUT_S if abort_timeout_s is None else max(abort_timeout_s, 0.0)
         )
     with engine.lock:
-        active = len(engine.registry)
+        activity = engine.activity()
+        active = activity.pending_prefill + activity.running_decode + activity.undrained_replies
         sealed = engine.gate.seal(active, had_identities=True, snapshot=engine.sealed_accounting)
     receipt = Receipt.from_sealed(engine.identity, sealed)
     # In an HTTP server the reply is the signal: the receipt is on disk before we answer.

@@ -183,3 +183,14 @@ def test_the_admin_token_is_compared_exactly(live):
         == 401
     )
     assert httpx.get(f"{live.url}/admin/status", headers={"Authorization": ADMIN_TOKEN}).status_code == 401
+
+
+def test_a_dead_batch_loop_latches_the_engine_failed(tiny_qwen3, start_engine):
+    """If the generation thread dies, the engine says so for good (503 failed), never hangs a request."""
+    engine = start_engine(tiny_qwen3)
+    engine.engine.runner.manager.stop(block=True, timeout=10)  # the loop is gone behind the engine's back
+    r = httpx.post(f"{engine.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503
+    assert r.json()["error"]["type"] == "failed"
+    health = httpx.get(f"{engine.url}/health").json()
+    assert health["state"] == "failed" and "batch loop" in health["error"]

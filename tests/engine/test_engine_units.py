@@ -161,3 +161,13 @@ def test_the_draw_processor_picks_greedy_forced_and_seeded_tokens():
     assert torch.isinf(out).sum().item() == 3 * 3  # every other logit masked
     assert 0.0 <= seeded_uniform(1, 0) < 1.0
     assert Sampling(temperature=0.0).greedy and not Sampling().greedy
+
+
+def test_the_draw_processor_without_sampled_rows_takes_the_argmax_path():
+    import torch
+
+    draw = _DrawProcessor()
+    scores = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 1.0, 0.0, 0.0]])
+    out = draw(scores, torch.tensor([-1, -(3 + 2)], dtype=torch.int32))
+    assert out.argmax(dim=-1).tolist() == [1, 3]
+    assert torch.isinf(out).sum().item() == 2 * 3
