@@ -154,6 +154,9 @@ def main(argv: list[str]) -> int:
     dense = load_dense(dense_model_dir(cache), recipe["dtype"])
     t = time.monotonic()
     dense_ppl = perplexity(dense, ppl_ids)
+    with torch.no_grad():
+        probe = torch.tensor(ppl_ids[:WINDOW]).unsqueeze(0)
+        dense_logits = dense(probe).logits[0]
     rows_raw: list[dict[str, Any]] = [{"model": "dense", "top_k": None, "ppl": dense_ppl,
                                        "seconds": time.monotonic() - t}]
     chats: dict[str, list[str]] = {}
@@ -167,10 +170,17 @@ def main(argv: list[str]) -> int:
     per_expert = (inter - shared) // experts
     chat_ks = sorted({default_k, max(1, default_k - 4)} & set(ks) or {default_k}, reverse=True)
     traces: dict[int, dict[str, Any]] = {}
+    equivalence: dict[str, Any] | None = None
     for k in ks:
         moe = _load_moe(folder, k)
         t = time.monotonic()
         ppl = perplexity(moe, ppl_ids)
+        if k == experts:
+            with torch.no_grad():
+                got = moe(probe).logits[0]
+            agree = (got.argmax(-1) == dense_logits.argmax(-1)).float().mean()
+            equivalence = {"max_abs_logit_diff": float((got - dense_logits).abs().max()),
+                           "argmax_agreement": float(agree), "tokens": WINDOW}
         row = {"model": f"MoE {layout}", "top_k": k, "ppl": ppl, "seconds": time.monotonic() - t,
                "routed_skipped": 1 - k / experts, "ffn_active": (shared + k * per_expert) / inter}
         rows_raw.append(row)
@@ -206,6 +216,10 @@ def main(argv: list[str]) -> int:
              + (f" + a shared expert of {shared} neurons" if shared else "") + ".",
              "Goal (≥ 25 % routed experts skipped at ≤ 1.5× dense ppl) met at k = "
              + (", ".join(str(r["top_k"]) for r in goal) or "none") + "."]
+    if equivalence is not None:
+        notes.append(f"All {experts} experts active against dense on {WINDOW} tokens: max |Δlogit| "
+                     f"{equivalence['max_abs_logit_diff']:.4f}, argmax agreement "
+                     f"{equivalence['argmax_agreement']:.2%}.")
     for name, answers in chats.items():
         notes.append(f"Chat, {name}: " + " | ".join(a.replace("\n", " ")[:160] for a in answers))
     for k, trace in traces.items():
@@ -218,7 +232,8 @@ def main(argv: list[str]) -> int:
                 "tokens": len(ppl_ids), "ks": ks, "chat_tokens": args.chat_tokens,
                 "trace_tokens": len(trace_ids), "threads": torch.get_num_threads()},
         results={"dense_ppl": dense_ppl, "rows": rows_raw, "chat": {"prompts": CHAT_PROMPTS, **chats},
-                 "goal_met_at": [r["top_k"] for r in goal], "traces": trace_files,
+                 "goal_met_at": [r["top_k"] for r in goal], "all_experts_vs_dense": equivalence,
+                 "traces": trace_files,
                  "reuse": {k: tr["consecutive_reuse"] for k, tr in traces.items()},
                  "seconds": time.monotonic() - started},
         columns=columns, rows=rows, notes=notes)

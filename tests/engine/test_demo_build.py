@@ -268,3 +268,24 @@ def test_mixtral_layout_uses_legacy_keys_and_bakes_k_into_down_proj(demo, englis
     ref, got = _logits(dense, english_ids), _logits(moe, english_ids)
     assert (got - ref).abs().max().item() < LOGIT_TOL
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.99
+
+
+def test_quality_bench_writes_a_receipt_and_a_trace_the_trace_bench_reads(demo, tmp_path, monkeypatch):
+    """The residency benchmark consumes this trace: its shape is a contract between the two."""
+    from moetray.engine.bench import demo_quality
+    from moetray.engine.bench.trace import load_trace_json
+
+    monkeypatch.setenv("MOETRAY_BENCH_DIR", str(tmp_path / "results"))
+    argv = ["--model", str(demo["folder"]), "--tokens", "256", "--ks", "16,12", "--no-chat",
+            "--trace-tokens", "40"]
+    assert demo_quality.main(argv) == 0
+    receipt = json.loads((tmp_path / "results" / "demo.json").read_text())
+    rows = {r["top_k"]: r for r in receipt["results"]["rows"]}
+    assert rows[16]["ppl"] == pytest.approx(rows[None]["ppl"], rel=1e-3)  # k = E is the dense model
+    assert rows[12]["routed_skipped"] == 0.25
+    trace_path = tmp_path / "traces" / "smollm2_moe_qwen2_moe_k12.json"
+    trace = load_trace_json(trace_path)
+    assert (trace.num_layers, trace.num_experts, trace.top_k, len(trace.tokens)) == (30, 16, 12, 40)
+    assert all(len(set(ids)) == 12 for step in trace.tokens for ids in step)
+    data = json.loads(trace_path.read_text())
+    assert data["chance_reuse"] == 0.75 and 0 < data["consecutive_reuse"] <= 1

