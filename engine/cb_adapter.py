@@ -17,9 +17,13 @@ narrowest hooks the substrate offers:
   substrate keeps matching prompts against its block-hash table; ``policy.radix`` makes the
   eviction decision (how many cached blocks, which ones: least-recently-used unlocked leaves
   first, never an anchor-locked prefix) that the stock ledger makes by dropping every cached
-  block at once. See :class:`RadixLedger` for the exact division of labour.
+  block at once. See :class:`RadixLedger` for the exact division of labour. A finished turn
+  that emitted the tool-call opener keeps its prefix locked through
+  ``policy.anchor.AnchorRetention`` until the next turn arrives or pressure needs the room.
 - **lifecycle** — create a manager with a given block count and page size, add / stream /
-  cancel requests, pause the loop (expert-pool resize), stop it (KV-pool resize).
+  cancel requests, pause the loop (expert-pool resize), stop it (KV-pool resize). On the CPU
+  the paged cache is backed by an anonymous mapping instead of an up-front memset (see
+  :func:`_lazily_zeroed_cpu_cache`), so a large KV pool is ready at once.
 
 Nothing outside this module imports ``transformers.generation.continuous_batching``.
 """
