@@ -19,12 +19,15 @@ from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
 from moetray.ui.format import DASH
+from moetray.ui.viewmodels import HISTORY_POINTS
 
 pg.setConfigOptions(antialias=True, useOpenGL=False, background="w", foreground="#31363b",
                     imageAxisOrder="row-major")
 
 SERIES_COLORS = ("#3daee9", "#27ae60", "#f0a30a", "#da4453", "#8e44ad", "#16a085", "#7f8c8d")
 EMPTY_CELL = (214, 219, 223, 255)
+HISTORY_SPAN_S = float(HISTORY_POINTS)
+"""Seconds a rolling chart shows: the histories' length at the engine's 1 Hz cadence."""
 """A non-resident expert: light grey, clearly not the colour of any resident shade."""
 
 
@@ -40,11 +43,28 @@ def _integer_ticks(count: int, max_labels: int = 24) -> list[list[tuple[float, s
     return [[(float(i), str(i)) for i in range(0, count, step)]]
 
 
+def nice_ceiling(value: float) -> float:
+    """The smallest 1-2-5 × 10^k not below ``value``: axes rescale in steps, not every second."""
+    if value <= 0:
+        return 1.0
+    exponent = math.floor(math.log10(value))
+    for step in (1.0, 2.0, 5.0, 10.0):
+        if step * 10**exponent >= value:
+            return step * 10**exponent
+    return 10.0 ** (exponent + 1)
+
+
 class RollingChart(pg.PlotWidget):
-    """Named series over time; ``set_series`` redraws all of them from the model's histories."""
+    """Named series over time; ``set_series`` redraws all of them from the model's histories.
+
+    The x axis is fixed at the last ``span_s`` seconds and the y axis moves in 1-2-5 steps,
+    so the axes (a large share of a redraw's cost) are laid out again only when a step is
+    crossed; lines fill in from the right.
+    """
 
     def __init__(self, title: str, unit: str, names: Sequence[str], *, y_range: tuple[float, float] |
-                 None = None, widths: Sequence[float] | None = None, parent: QWidget | None = None) -> None:
+                 None = None, widths: Sequence[float] | None = None, span_s: float = HISTORY_SPAN_S,
+                 parent: QWidget | None = None) -> None:
         super().__init__(parent=parent)
         self.setMinimumHeight(150)
         item = self.getPlotItem()
@@ -55,6 +75,9 @@ class RollingChart(pg.PlotWidget):
         item.setMenuEnabled(False)
         item.hideButtons()
         self.setMouseEnabled(x=False, y=False)
+        self.setXRange(-span_s, 0.0, padding=0)
+        self.enableAutoRange(axis="x", enable=False)
+        self._y_top: float | None = None
         self._fixed_y = y_range is not None
         if y_range is not None:
             self.setYRange(*y_range, padding=0.02)
@@ -105,7 +128,10 @@ class RollingChart(pg.PlotWidget):
             if finite.any():
                 top = max(top, float(np.nanmax(y)))
         if not self._fixed_y:
-            self.setYRange(0.0, top * 1.15 if top > 0 else 1.0, padding=0)  # from zero: no magnified noise
+            y_top = nice_ceiling(top * 1.1)
+            if y_top != self._y_top:  # from zero: no magnified noise; in steps: no per-second relayout
+                self._y_top = y_top
+                self.setYRange(0.0, y_top, padding=0)
 
     def curve_data(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         x, y = (self._curves + self._faint)[index].getData()
@@ -153,7 +179,11 @@ class ResidencyHeatmap(pg.GraphicsLayoutWidget):
 
 
 class LayerBars(pg.PlotWidget):
-    """One bar per layer in [0, 1]; a layer with an unknown value gets no bar."""
+    """One bar per layer in [0, 1]; a layer with an unknown value gets no bar.
+
+    One bar item is updated in place: replacing it every second would leave pyqtgraph
+    items for the garbage collector, which may then free them in the middle of a paint.
+    """
 
     def __init__(self, title: str, parent: QWidget | None = None) -> None:
         super().__init__(parent=parent)
@@ -165,21 +195,19 @@ class LayerBars(pg.PlotWidget):
         item.setLabel("bottom", "layer")
         self.setMouseEnabled(x=False, y=False)
         self.setYRange(0, 1, padding=0.02)
-        self._bars: pg.BarGraphItem | None = None
+        self._bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush=SERIES_COLORS[0], pen=None)
+        self.addItem(self._bars)
         self.heights: list[float] = []
+        self._count = -1
 
     def set_values(self, values: Sequence[float | None]) -> None:
-        if self._bars is not None:
-            self.removeItem(self._bars)
-            self._bars = None
         known = [(i, v) for i, v in enumerate(values) if v is not None]
         self.heights = [v for _, v in known]
-        if known:
-            self._bars = pg.BarGraphItem(x=[i for i, _ in known], height=self.heights, width=0.7,
-                                         brush=SERIES_COLORS[0], pen=None)
-            self.addItem(self._bars)
-        self.setXRange(-0.6, max(len(values), 1) - 0.4, padding=0)
-        self.getPlotItem().getAxis("bottom").setTicks(_integer_ticks(len(values)))
+        self._bars.setOpts(x=[i for i, _ in known], height=self.heights)
+        if len(values) != self._count:
+            self._count = len(values)
+            self.setXRange(-0.6, max(len(values), 1) - 0.4, padding=0)
+            self.getPlotItem().getAxis("bottom").setTicks(_integer_ticks(len(values)))
 
 
 class SegmentBar(QWidget):

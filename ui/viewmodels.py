@@ -24,8 +24,8 @@ from PySide6.QtCore import QObject, Signal
 
 from moetray.policy import wire
 
-HISTORY_POINTS = 300
-"""Points kept per rolling chart: five minutes at the engine's 1 Hz event cadence."""
+HISTORY_POINTS = 120
+"""Points kept per rolling chart: two minutes at the engine's 1 Hz event cadence."""
 LOG_LINES = 2000
 """Engine log lines kept for the Logs panel."""
 

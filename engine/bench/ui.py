@@ -15,6 +15,7 @@ it as a user would.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -158,6 +159,9 @@ def main(argv: list[str]) -> int:
             print(f"moetray bench ui: no demo model at {model}; build it with `moetray model build-demo` "
                   "or pass --model DIR", file=sys.stderr)
             return 2
+    config = json.loads((model / "config.json").read_text())
+    geometry = {key: config.get(key) for key in ("architectures", "num_hidden_layers", "num_experts",
+                                                 "num_local_experts", "num_experts_per_tok")}
     token = secrets.token_urlsafe(24)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -213,7 +217,8 @@ def main(argv: list[str]) -> int:
     ]
     path = write_receipt(
         args.name,
-        params={"model": str(model), "duration_s": args.duration, "warmup_s": args.warmup,
+        params={"model": str(model), "model_geometry": geometry,
+                "duration_s": args.duration, "warmup_s": args.warmup,
                 "interval_s": args.interval, "traffic_period_s": args.traffic_period,
                 "engine_argv": engine_argv[3:], "tray_argv": tray_argv[3:],
                 "qt_platform": "offscreen", "events_interval_s": 1.0},

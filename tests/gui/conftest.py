@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from live import start_engine
 
@@ -38,3 +40,15 @@ def dashboard_engine(tiny_model, tmp_path_factory):
                           "--link-gbps", SLOW_LINK_GBPS, "--rebuild-idle-timeout", "1.0")
     yield engine
     engine.close()
+
+
+@pytest.fixture(autouse=True)
+def _collect_widget_garbage():
+    """Free each test's discarded widgets between tests, not inside a later test's paint.
+
+    pyqtgraph widgets hold reference cycles; left to the collector, one may be freed while
+    Qt paints another view, and Qt crashes (seen as a segfault in ``QPainter::restore``).
+    The app itself keeps its widgets for its whole life and updates its plot items in place.
+    """
+    yield
+    gc.collect()
