@@ -344,3 +344,23 @@ def test_the_substrates_own_flush_is_bounded_by_the_pressure_at_hand():
     ledger.demand = None  # no scheduler has said what it needs: the stock full flush
     assert sorted(ledger.evict_cached_blocks()) == [20, 21, 30, 31]
     assert not ledger.hash_to_block and not ledger.tree_blocks
+
+
+async def test_overcommitted_pool_soft_resets_requests_and_still_matches_generate(tiny):
+    """More live KV than the pool holds: the substrate offloads (soft-resets) requests, radix keeps
+    their finished pages cached for the re-run, every output still equals `generate`, books balance."""
+    model, tok = tiny
+    prompts = [prompt_ids(tok, f"overcommit {i}: experts and caches, pages and slots") for i in range(4)]
+    refs = [greedy_reference(model, p, 60) for p in prompts]
+    runner = make_runner(model, kv_pages=12, policy="radix", max_batch_tokens=64)
+    try:
+        finals = await run_all(
+            runner, {f"o{i}": (p, 60, Sampling(temperature=0.0)) for i, p in enumerate(prompts)}
+        )
+        for i, ref in enumerate(refs):
+            assert finals[f"o{i}"].generated_tokens == ref
+        await wait_until(lambda: not runner.live_requests())
+        runner.check_integrity()
+        assert runner.kv_stats().used == 0
+    finally:
+        runner.stop()
