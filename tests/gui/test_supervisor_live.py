@@ -45,7 +45,12 @@ def supervised(qapp, qloop, qtbot, tmp_path, monkeypatch):
     app.notified.connect(lambda title, message, err: notes.append((title, message, err)))
     app.notes = notes
     yield app
-    run_async(qtbot, app.shutdown(), timeout_ms=60000)
+    try:
+        run_async(qtbot, app.shutdown(), timeout_ms=60000)
+    finally:  # never leave an engine behind, even when the test broke the loop
+        pid = app.supervisor.pid
+        if pid is not None and _alive(pid):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def _serve(app, qtbot, model: Path) -> int:
