@@ -38,7 +38,7 @@ import heapq
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -134,6 +134,15 @@ class ExpertPlan:
         return not self.copies
 
 
+def _plan(**fields: object) -> ExpertPlan:
+    """An `ExpertPlan` equal to ``ExpertPlan(**fields)``, built for the hot path: a frozen
+    dataclass's ``__init__`` sets each field through ``object.__setattr__`` (about 1 µs for a
+    plan, per layer call); this fills the instance's dict at once."""
+    plan = object.__new__(ExpertPlan)
+    plan.__dict__.update(fields)
+    return plan
+
+
 @dataclass(frozen=True)
 class ResizePlan:
     """What `ExpertCache.resize` decided; the slot pool must apply it in this order.
@@ -156,8 +165,9 @@ class ResizePlan:
 #
 # A ranker only orders the resident experts; the cache owns the maps, the free list and the
 # counters. Flat ids are ``layer * num_experts + expert``. The cache calls, per ensure:
-# ``begin(layer)``, then ``touch(flat)`` for each hit, then for each admitted miss
-# ``victim(layer, protected)`` (only when no free slot may be used) and ``admit(flat)``.
+# ``touch(flat)`` for each hit (only rankers that override it), then for each admitted miss
+# ``victim(layer, protected)`` (only when no free slot may be used) and ``admit(flat)``,
+# then ``end(flats)`` once the recency and counts are updated.
 
 
 class _Ranker:
@@ -165,9 +175,6 @@ class _Ranker:
 
     def __init__(self, cache: ExpertCache) -> None:
         self.c = cache
-
-    def begin(self, layer: int) -> None:
-        """A new call of ``layer`` starts (the cache already advanced its clocks)."""
 
     def touch(self, flat: int) -> None:
         """A resident expert was routed (a hit)."""
@@ -376,6 +383,230 @@ class _LayerAwareLRU(_Ranker):
         return (-1 if last is None else last,)
 
 
+class _HorizonOrder:
+    """One λ's eviction order over one set of residents (the real pool's, or a shadow's).
+
+    A resident's key is ``log2(CRF_λ) + λ·last`` (see `_Horizon`): it changes only when the
+    expert is routed, and then it grows. So each layer's order is static between its visits
+    and kept in a min-heap, and a heap entry may lag behind its expert's key: routing an
+    expert pushes nothing. An entry is re-keyed only when it reaches the top of its heap
+    (`_head`); since a lagging entry sits *below* its true key, the top entry, once checked
+    against its true key, is the true minimum. A call where every routed expert is resident
+    therefore touches no heap, and a hot expert that never nears the top is never re-keyed.
+
+    ``key[flat]`` is None for a non-resident, `_ADMITTED` for an expert admitted in the call
+    under way (it gets its entry when the call ends), and otherwise the key of its one live
+    heap entry; entries that do not match it are dead (evicted or superseded) and dropped.
+
+    The layers' heads sit in a max-heap by their base score ``L · (1/r − 1)`` (the horizon
+    without the distance term), refreshed lazily for the layers marked ``dirty`` (they ran or
+    lost an expert since). A victim adds the distance term only for layers whose base is
+    within ``L`` of the best, so it usually looks at a few layers instead of all.
+    """
+
+    __slots__ = ("admitted", "base", "base_heap", "crf", "dirty", "head", "heaps", "key", "lam",
+                 "last", "layer_count", "num_experts", "num_layers", "passes", "share")
+
+    def __init__(self, horizon: _Horizon, i: int) -> None:
+        cache = horizon.c
+        self.num_layers, self.num_experts = cache.num_layers, cache.num_experts
+        self.lam = horizon.LAMBDAS[i]
+        self.share = 1.0 - 2.0 ** -self.lam  # r = CRF · share
+        self.crf = horizon.crf[i]  # shared with the other orders of the same λ
+        self.last = horizon.last
+        self.passes = cache._passes
+        self.key: list[float | None] = [None] * (self.num_layers * self.num_experts)
+        self.heaps: list[list[tuple[float, int]]] = [[] for _ in range(self.num_layers)]
+        self.admitted: list[int] = []  # in the call under way
+        self.layer_count = [0] * self.num_layers
+        self.base: list[float | None] = [None] * self.num_layers
+        self.head: list[int | None] = [None] * self.num_layers  # the flat the base was taken from
+        self.base_heap: list[tuple[float, int]] = []  # (−base, layer), lazily invalidated
+        self.dirty: set[int] = set()
+
+    def adopt(self, residents: Iterable[int]) -> None:
+        """Take ``residents`` (between calls) and key them all."""
+        for flat in residents:
+            self.key[flat] = 0.0  # any float: keyed by the rebuild
+            self.layer_count[flat // self.num_experts] += 1
+        for layer in range(self.num_layers):
+            self._rebuild(layer)
+        self.dirty = set(range(self.num_layers))
+
+    def admit(self, flat: int) -> None:
+        self.key[flat] = _ADMITTED
+        self.admitted.append(flat)
+        self.layer_count[flat // self.num_experts] += 1
+
+    def remove(self, flat: int) -> None:
+        self.key[flat] = None
+        layer = flat // self.num_experts
+        self.layer_count[layer] -= 1
+        self.dirty.add(layer)  # it may have been the head
+
+    def routed(self, layer: int) -> None:
+        """A call of ``layer`` is over and the CRFs of its routed experts are updated: the
+        experts it admitted get their heap entries. O(admitted · log)."""
+        if self.admitted:
+            key, crf, last, lam, heap = self.key, self.crf, self.last, self.lam, self.heaps[layer]
+            for flat in self.admitted:
+                k = key[flat] = math.log2(crf[flat]) + lam * last[flat]
+                heapq.heappush(heap, (k, flat))
+            self.admitted = []
+            if len(heap) > 4 * self.layer_count[layer] + 32:
+                self._rebuild(layer)
+        self.dirty.add(layer)  # its passes advanced: its head's rate changed
+
+    def _rebuild(self, layer: int) -> None:
+        # Drop the dead entries: one entry per resident, at its true key.
+        key, crf, last, lam = self.key, self.crf, self.last, self.lam
+        start = layer * self.num_experts
+        heap = []
+        for flat in range(start, start + self.num_experts):
+            k = key[flat]
+            if k is not None and k != _ADMITTED:
+                k = key[flat] = math.log2(crf[flat]) + lam * last[flat]
+                heap.append((k, flat))
+        heapq.heapify(heap)
+        self.heaps[layer] = heap
+
+    def _head(self, layer: int, protected: Container[int]) -> tuple[float, int] | None:
+        """The minimum ``(key, flat)`` of ``layer`` outside ``protected``, or None. Re-keys the
+        lagging entries it meets on the way (the order does not change)."""
+        heap, key, crf, last, lam = self.heaps[layer], self.key, self.crf, self.last, self.lam
+        aside, found = [], None
+        while heap:
+            k, flat = heap[0]
+            if key[flat] != k:
+                heapq.heappop(heap)  # dead: evicted or superseded
+                continue
+            true = math.log2(crf[flat]) + lam * last[flat]
+            if true != k:  # routed since it was keyed: its key grew, sink it
+                key[flat] = true
+                heapq.heapreplace(heap, (true, flat))
+                continue
+            if flat in protected:
+                aside.append(heapq.heappop(heap))
+                continue
+            found = (k, flat)
+            break
+        for item in aside:
+            heapq.heappush(heap, item)
+        return found
+
+    def _base(self, layer: int, key: float) -> float:
+        """``L · (1/r − 1)`` for a head with heap ``key``: the horizon without the distance term."""
+        rate = 2.0 ** (key - self.lam * self.passes[layer]) * self.share
+        if rate >= 1.0:
+            return 0.0
+        return self.num_layers * (1.0 / rate - 1.0) if rate > 0 else math.inf
+
+    def _refresh(self, layer: int) -> None:
+        head = self._head(layer, _NOTHING)
+        if head is None:
+            self.base[layer] = self.head[layer] = None
+            return
+        base = self.base[layer] = self._base(layer, head[0])
+        self.head[layer] = head[1]
+        heapq.heappush(self.base_heap, (-base, layer))
+
+    def victim(self, layer: int, protected: Container[int]) -> int | None:
+        """The resident with the largest horizon seen from ``layer``, not in ``protected``
+        (which holds experts of ``layer`` only); None when every resident is protected.
+        Mutates only the bookkeeping: refreshes the dirty layers' heads, re-keys lagging
+        heap entries and drops dead ones (none of which changes the order)."""
+        n_layers = self.num_layers
+        if self.dirty:
+            for m in self.dirty:
+                self._refresh(m)
+            self.dirty.clear()
+        if len(self.base_heap) > 4 * n_layers + 16:
+            self.base_heap = [(-b, m) for m, b in enumerate(self.base) if b is not None]
+            heapq.heapify(self.base_heap)
+        # Every layer's heap is unchanged since its refresh, so each layer's unprotected head
+        # is the one taken then, except in ``layer`` when that head is protected.
+        best_score, best_flat = -math.inf, None
+        own = self.head[layer]
+        if own is not None and own in protected:
+            found = self._head(layer, protected)
+            own = None if found is None else found[1]
+        if own is not None:  # the base again: this layer's clock moved since its refresh
+            best_score, best_flat = self._base(layer, self.key[own]) + n_layers, own
+        base_heap, base, head, aside = self.base_heap, self.base, self.head, []
+        while base_heap:
+            neg, m = base_heap[0]
+            if base[m] != -neg or m == layer:
+                item = heapq.heappop(base_heap)
+                if m == layer and base[m] == -neg:
+                    aside.append(item)
+                continue
+            if -neg + n_layers <= best_score:
+                break  # no layer below can beat the best, whatever its distance
+            aside.append(heapq.heappop(base_heap))
+            score = -neg + ((m - layer) % n_layers or n_layers)
+            if score > best_score:
+                best_score, best_flat = score, head[m]
+        for item in aside:
+            heapq.heappush(base_heap, item)
+        return best_flat
+
+    def priority(self, flat: int) -> float:
+        """The expert's current CRF (decayed to now): which misses to fetch first."""
+        layer = flat // self.num_experts
+        return self.crf[flat] * 2.0 ** (-self.lam * (self.passes[layer] - self.last[flat]))
+
+
+_NOTHING: frozenset[int] = frozenset()
+_ADMITTED = -math.inf  # the key of an expert admitted in the call under way (no heap entry yet)
+
+
+class _Shadow:
+    """A fixed-λ horizon cache over the sampled experts, for the duel: it decides exactly as
+    ``ExpertCache(..., policy="horizon@λ")`` fed only the sampled ids would, but keeps no
+    slots (only which experts are resident) and shares the CRFs and clocks of the real cache."""
+
+    __slots__ = ("capacity", "held", "order", "size")
+
+    def __init__(self, horizon: _Horizon, i: int, capacity: int, held: list[int]) -> None:
+        self.order = _HorizonOrder(horizon, i)
+        self.capacity = capacity
+        self.size = 0
+        self.held = held  # per expert, how many shadows hold it (shared by all of them)
+
+    def decide(self, layer: int, flats: list[int]) -> int:
+        """Admit this call's sampled ``flats`` (distinct; CRFs not yet updated), evicting by
+        the shadow's order; returns how many were not resident (its misses)."""
+        order = self.order
+        key = order.key
+        missed = [f for f in flats if key[f] is None]
+        if not missed:
+            return 0
+        if len(flats) > self.capacity:  # not every miss can get a slot: most valuable first
+            missed.sort(key=lambda f: (-order.priority(f), f))
+        protected = set(flats)  # the hits and the admitted (a missing flat is never a candidate)
+        for flat in missed:
+            if self.size < self.capacity:
+                self.size += 1
+            else:
+                out = order.victim(layer, protected)
+                if out is None:
+                    continue  # computed on the CPU
+                order.remove(out)
+                self.held[out] -= 1
+            order.admit(flat)
+            self.held[flat] += 1
+        return len(missed)
+
+    def resize(self, capacity: int, latest_layer: int) -> None:
+        while self.size > capacity:
+            out = self.order.victim(latest_layer, _NOTHING)
+            assert out is not None, "an unprotected victim always exists while shrinking"
+            self.order.remove(out)
+            self.held[out] -= 1
+            self.size -= 1
+        self.capacity = capacity
+
+
 class _Horizon(_Ranker):
     """Evict the expert whose next use is predicted farthest away, in layer calls, across layers.
 
@@ -390,19 +621,25 @@ class _Horizon(_Ranker):
     layer ``m``'s next visit. The largest horizon is evicted. Because a layer's experts all
     decay at the same rate between its visits, each layer's order is static and kept in a
     heap; the layers' heads sit in a max-heap by ``L · (1/r − 1)``, and a victim adds ``d``
-    only for the few layers within ``L`` of the best. The ``d`` term is what a global LRU lacks: when every
-    expert is reused every token (the cyclic sweep) it evicts the layer that just ran
-    instead of the one that runs next, and keeps ``capacity − k`` experts for good.
+    only for the few layers within ``L`` of the best (`_HorizonOrder`). The ``d`` term is
+    what a global LRU lacks: when every expert is reused every token (the cyclic sweep) it
+    evicts the layer that just ran instead of the one that runs next, and keeps
+    ``capacity − k`` experts for good.
 
     **Adaptive λ (set dueling).** Which λ fits depends on the routing and on the cache
-    size, so λ is chosen online among `LAMBDAS`. One shadow cache per candidate (a fixed-λ
-    ``"horizon@λ"`` planner) follows a hashed sample of the experts (1 in `SAMPLE_RATE`) of
-    every layer, with the same share of the pool, and counts the misses it would have had,
-    fading with a time constant of `MEMORY_TOKENS` forward steps. Sampling experts rather
-    than layers keeps the cross-layer competition that decides a shared pool (a sample of 4
-    layers out of 30 picked the wrong λ on a real-text trace). Every `PERIOD_TOKENS` steps the
-    real cache adopts the candidate with the fewest shadow misses if it beats the active one
-    by `MARGIN` (rebuilding its heaps, O(residents · log)).
+    size, so λ is chosen online among `LAMBDAS`. One shadow cache per candidate (`_Shadow`:
+    a fixed-λ ``"horizon@λ"`` planner without slots) follows a hashed sample of the experts
+    (1 in `SAMPLE_RATE`) of every layer, with the same share of the pool, and counts the
+    misses it would have had, fading with a time constant of `MEMORY_TOKENS` forward steps.
+    Sampling experts rather than layers keeps the cross-layer competition that decides a
+    shared pool (a sample of 4 layers out of 30 picked the wrong λ on a real-text trace).
+    Every `PERIOD_TOKENS` steps the real cache adopts the candidate with the fewest shadow
+    misses if it beats the active one by `MARGIN` (re-keying its residents, O(residents · log)).
+
+    **Cost.** The CRFs of every candidate λ are kept once, for all experts, and shared by
+    the real order and the shadows. A call where every routed expert is resident (in the
+    real pool and in every shadow) costs the CRF updates and a dirty mark per order: no heap
+    is touched until a victim is needed, and then only the heads are re-keyed.
     """
 
     name = "horizon"
@@ -411,17 +648,20 @@ class _Horizon(_Ranker):
     PERIOD_TOKENS = 8  # forward steps (L calls each) between decisions
     MEMORY_TOKENS = 50  # shadow miss counts fade with this time constant, in forward steps
     MARGIN = 0.03  # switch only when a candidate missed ≥ 3 % less than the active λ
+    DECAY_TABLE = 256  # gaps (in visits of a layer) whose decay factors are tabulated
 
     def __init__(self, cache: ExpertCache) -> None:
         super().__init__(cache)
         n_layers, n = cache.num_layers, cache.num_layers * cache.num_experts
         self.crf = [[0.0] * n for _ in self.LAMBDAS]  # per candidate λ, at the last reference
         self._log_decay = [-lam * math.log(2.0) for lam in self.LAMBDAS]  # CRF decay per visit, as ln
+        # The decay factors of every λ over a gap of ``age`` visits, exp(ln-decay · age), for
+        # the common small gaps (the same floats as computing them each time).
+        self._decay = [tuple(math.exp(rate * age) for rate in self._log_decay)
+                       for age in range(self.DECAY_TABLE)]
         self.last = [0] * n  # the layer's pass index at the last reference
         self.active = min(1, len(self.LAMBDAS) - 1)  # starts at 0.1, the best single λ measured
-        self.key: list[float | None] = [None] * n  # heap key of a resident, None when not resident
-        self.heaps: list[list[tuple[float, int]]] = [[] for _ in range(n_layers)]
-        self.layer_count = [0] * n_layers
+        self.order = _HorizonOrder(self, self.active)
         # Dueling: one shadow cache per candidate λ over every layer but a hashed sample of
         # the experts (1 in `sample_rate`), with the same share of the pool. Sampling experts
         # rather than layers keeps the cross-layer competition that decides the real pool.
@@ -430,80 +670,87 @@ class _Horizon(_Ranker):
         self.in_sample = [dueling and (flat * 2654435761) % 4294967296 % self.sample_rate == 0
                           for flat in range(n)]
         self.sample_share = sum(self.in_sample) / n
-        self.shadows = [ExpertCache(n_layers, cache.num_experts, self._shadow_capacity(cache.capacity),
-                                    policy=f"horizon@{lam}") for lam in self.LAMBDAS] if dueling else []
+        self.held = [0] * n  # how many shadows hold each expert: all of them = no shadow misses
+        self.shadows = [_Shadow(self, i, self._shadow_capacity(cache.capacity), self.held)
+                        for i in range(len(self.LAMBDAS))] if dueling else []
         self.shadow_misses = [0.0] * len(self.LAMBDAS)
         self.calls_seen = 0
         self.forget = 1.0 - 1.0 / (self.MEMORY_TOKENS * n_layers)
         self.period = self.PERIOD_TOKENS * n_layers
         self.switches = 0
-        # Each layer's head (its unprotected expert with the lowest CRF) as a base score
-        # L·(1/r − 1), in a max-heap over layers, refreshed when the layer runs or loses an
-        # expert. A victim adds the distance term only for layers whose base is within L of
-        # the best, so it usually looks at a few layers instead of all.
-        self.base: list[float | None] = [None] * n_layers
-        self.base_heap: list[tuple[float, int]] = []  # (−base, layer), lazily invalidated
-        self._dirty: set[int] = set()
 
     @property
     def lam(self) -> float:
         return self.LAMBDAS[self.active]
 
-    def _key(self, i: int, flat: int) -> float:
-        # log2 of the CRF, shifted so that it does not change while the layer is not visited.
-        return math.log2(self.crf[i][flat]) + self.LAMBDAS[i] * self.last[flat]
-
     def admit(self, flat: int) -> None:
-        self.key[flat] = -math.inf  # placeholder until end(): routed now, protected this call
-        self.layer_count[flat // self.c.num_experts] += 1
+        self.order.admit(flat)
 
     def remove(self, flat: int) -> None:
-        self.key[flat] = None
-        layer = flat // self.c.num_experts
-        self.layer_count[layer] -= 1
-        self._dirty.add(layer)  # it may have been the head
+        self.order.remove(flat)
+
+    def victim(self, layer: int, protected: set[int]) -> int | None:
+        return self.order.victim(layer, protected)
+
+    def fetch_priority(self, flat: int) -> tuple:
+        return (self.order.priority(flat),)
 
     def _shadow_capacity(self, capacity: int) -> int:
         return max(1, round(capacity * self.sample_share))
 
     def resize(self, capacity: int) -> None:
         for shadow in self.shadows:
-            shadow.resize(self._shadow_capacity(capacity))
+            shadow.resize(self._shadow_capacity(capacity), self.c._latest_layer)
 
     def end(self, flats: list[int]) -> None:
         if not flats:
             return
         layer = flats[0] // self.c.num_experts
         now = self.c._passes[layer]
+        sampled: list[int] = []
         if self.shadows:  # what each candidate λ would have missed on this call's sample
-            base = layer * self.c.num_experts
-            ids = [flat - base for flat in flats if self.in_sample[flat]]
-            for i, shadow in enumerate(self.shadows):
-                if ids:
-                    misses = shadow.ensure(layer, ids).misses
-                else:
-                    misses = 0
-                    shadow._tick(layer)
-                self.shadow_misses[i] = self.shadow_misses[i] * self.forget + misses
-        last = self.last
-        for crf, rate in zip(self.crf, self._log_decay, strict=True):
-            for flat in flats:
-                crf[flat] = 1.0 + crf[flat] * math.exp(rate * (now - last[flat]))
-        for flat in flats:
-            last[flat] = now
-        heap = self.heaps[layer]
-        for flat in flats:
-            if self.key[flat] is not None:
-                key = self._key(self.active, flat)
-                self.key[flat] = key
-                heapq.heappush(heap, (key, flat))
-        if len(heap) > 4 * self.layer_count[layer] + 32:
-            self._rebuild_layer(layer)
-        self._dirty.add(layer)  # its passes advanced: its head's rate changed
+            in_sample = self.in_sample
+            sampled = flats if self.sample_rate == 1 else [flat for flat in flats if in_sample[flat]]
+            forget = self.forget
+            if sampled and min(map(self.held.__getitem__, sampled)) < len(self.shadows):
+                misses = self.shadow_misses  # decided on the CRFs before this call, as the real cache did
+                for i, shadow in enumerate(self.shadows):
+                    misses[i] = misses[i] * forget + shadow.decide(layer, sampled)
+            else:  # no shadow misses (the common warm call): only the fading
+                self.shadow_misses = [m * forget for m in self.shadow_misses]
+        self._update_crf(flats, now)
+        self.order.routed(layer)
+        if sampled:
+            for shadow in self.shadows:
+                shadow.order.routed(layer)
         if self.shadows:
             self.calls_seen += 1
             if self.calls_seen % self.period == 0:
                 self._switch()
+
+    def _update_crf(self, flats: list[int], now: int) -> None:
+        """CRF ← 1 + CRF · 2^(−λ · visits since the last reference), for every candidate λ."""
+        last, crfs, decay, size = self.last, self.crf, self._decay, self.DECAY_TABLE
+        if len(crfs) == 4:  # the default candidates, unrolled: this runs on every call
+            c0, c1, c2, c3 = crfs
+            for flat in flats:
+                age = now - last[flat]
+                f0, f1, f2, f3 = decay[age] if age < size else self._factors(age)
+                c0[flat] = 1.0 + c0[flat] * f0
+                c1[flat] = 1.0 + c1[flat] * f1
+                c2[flat] = 1.0 + c2[flat] * f2
+                c3[flat] = 1.0 + c3[flat] * f3
+                last[flat] = now
+            return
+        for flat in flats:
+            age = now - last[flat]
+            factors = decay[age] if age < size else self._factors(age)
+            for crf, factor in zip(crfs, factors, strict=True):
+                crf[flat] = 1.0 + crf[flat] * factor
+            last[flat] = now
+
+    def _factors(self, age: int) -> tuple[float, ...]:
+        return tuple(math.exp(rate * age) for rate in self._log_decay)
 
     def info(self) -> dict[str, object]:
         return {"lambda": self.lam, "switches": self.switches,
@@ -514,88 +761,11 @@ class _Horizon(_Ranker):
         """Adopt the candidate λ whose shadows missed least (ties keep the current one)."""
         best = min(range(len(self.LAMBDAS)), key=lambda i: (self.shadow_misses[i], i != self.active))
         if self.shadow_misses[best] < self.shadow_misses[self.active] * (1.0 - self.MARGIN):
+            residents = [flat for flat, k in enumerate(self.order.key) if k is not None]
             self.active = best
             self.switches += 1
-            for layer in range(len(self.heaps)):
-                self._rebuild_layer(layer)
-            self._dirty = set(range(len(self.heaps)))
-
-    def _rebuild_layer(self, layer: int) -> None:
-        base = layer * self.c.num_experts
-        heap = []
-        for flat in range(base, base + self.c.num_experts):
-            if self.key[flat] is not None and self.key[flat] != -math.inf:
-                key = self._key(self.active, flat)
-                self.key[flat] = key
-                heap.append((key, flat))
-        heapq.heapify(heap)
-        self.heaps[layer] = heap
-
-    def _head(self, layer: int, protected: set[int]) -> tuple[float, int] | None:
-        heap, aside, found = self.heaps[layer], [], None
-        while heap:
-            key, flat = heap[0]
-            if self.key[flat] != key:
-                heapq.heappop(heap)  # stale: re-keyed or gone
-                continue
-            if flat in protected:
-                aside.append(heapq.heappop(heap))
-                continue
-            found = (key, flat)
-            break
-        for item in aside:
-            heapq.heappush(heap, item)
-        return found
-
-    def _base(self, layer: int, key: float) -> float:
-        """``L · (1/r − 1)`` for a head with heap ``key``: the horizon without the distance term."""
-        lam = self.lam
-        rate = min(1.0, 2.0 ** (key - lam * self.c._passes[layer]) * (1.0 - 2.0 ** -lam))
-        return self.c.num_layers * (1.0 / rate - 1.0) if rate > 0 else math.inf
-
-    def _refresh(self, layer: int) -> None:
-        head = self._head(layer, set())
-        base = None if head is None else self._base(layer, head[0])
-        self.base[layer] = base
-        if base is not None:
-            heapq.heappush(self.base_heap, (-base, layer))
-
-    def victim(self, layer: int, protected: set[int]) -> int | None:
-        n_layers = self.c.num_layers
-        for m in self._dirty:
-            self._refresh(m)
-        self._dirty.clear()
-        if len(self.base_heap) > 4 * n_layers + 16:
-            self.base_heap = [(-b, m) for m, b in enumerate(self.base) if b is not None]
-            heapq.heapify(self.base_heap)
-        best_score, best_flat = -math.inf, None
-        own = self._head(layer, protected)  # the current layer may hold protected experts
-        if own is not None:
-            best_score, best_flat = self._base(layer, own[0]) + n_layers, own[1]
-        aside = []
-        while self.base_heap:
-            neg, m = self.base_heap[0]
-            if self.base[m] != -neg or m == layer:
-                item = heapq.heappop(self.base_heap)
-                if m == layer and self.base[m] == -neg:
-                    aside.append(item)
-                continue
-            if -neg + n_layers <= best_score:
-                break  # no layer below can beat the best, whatever its distance
-            aside.append(heapq.heappop(self.base_heap))
-            score = -neg + ((m - layer) % n_layers or n_layers)
-            if score > best_score:
-                head = self._head(m, protected)
-                if head is not None:
-                    best_score, best_flat = score, head[1]
-        for item in aside:
-            heapq.heappush(self.base_heap, item)
-        return best_flat
-
-    def fetch_priority(self, flat: int) -> tuple:
-        layer = flat // self.c.num_experts
-        lam = self.lam
-        return (self.crf[self.active][flat] * 2.0 ** (-lam * (self.c._passes[layer] - self.last[flat])),)
+            self.order = _HorizonOrder(self, best)
+            self.order.adopt(residents)
 
 
 _RANKERS: dict[str, type[_Ranker]] = {
@@ -644,8 +814,11 @@ class ExpertCache:
         self._last_pass: list[int | None] = [None] * n  # that layer's pass index of the last route
         self._count = [0] * n  # routes over the whole history (distinct per call)
         self._latest_layer = num_layers - 1  # as if the last layer had just run
-        self._stats = [CacheStats()] * num_layers
+        # Per layer: calls, hits, misses, fetched, bypassed (the fields of CacheStats).
+        self._counters = [[0] * 5 for _ in range(num_layers)]
         self._ranker = ranker(self)
+        overrides_touch = type(self._ranker).touch is not _Ranker.touch
+        self._touch = self._ranker.touch if overrides_touch else None
 
     # --- read-only views ----------------------------------------------------------------
 
@@ -700,20 +873,20 @@ class ExpertCache:
     def stats(self) -> CacheStats:
         """Global counters: the exact sum of `layer_stats` over all layers."""
         total = CacheStats()
-        for s in self._stats:
+        for s in self.per_layer_stats():
             total = total + s
         return total
 
     def layer_stats(self, layer: int) -> CacheStats:
         self._check_layer(layer)
-        return self._stats[layer]
+        return CacheStats(*self._counters[layer])
 
     def per_layer_stats(self) -> list[CacheStats]:
-        return list(self._stats)
+        return [CacheStats(*c) for c in self._counters]
 
     def reset_stats(self) -> None:
         """Zero the counters. Residency, recency and the policy's ordering are kept."""
-        self._stats = [CacheStats()] * self.num_layers
+        self._counters = [[0] * 5 for _ in range(self.num_layers)]
 
     # --- the verbs ----------------------------------------------------------------------
 
@@ -734,73 +907,67 @@ class ExpertCache:
         Refuses with `CacheRefused` (``layer_out_of_range``, ``expert_out_of_range``,
         ``invalid_fetch_limit``) before any state changes.
         """
-        self._check_layer(layer)
+        n_experts = self.num_experts
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            self._check_layer(layer)
+            layer = operator.index(layer)
         routed = tuple(expert_ids)
-        self._check_experts(layer, routed)
-        routed = tuple(operator.index(e) for e in routed)
-        layer = operator.index(layer)
-        base = layer * self.num_experts
-        distinct = list(dict.fromkeys(routed))
-        missed = [e for e in distinct if base + e not in self._slot_of]
-        budget = self._fetch_budget(fetch_limit, len(missed))
+        for e in routed:
+            if type(e) is not int or not 0 <= e < n_experts:  # the rare case: check and convert
+                self._check_experts(layer, routed)
+                routed = tuple(operator.index(e) for e in routed)
+                break
+        base = layer * n_experts
+        slot_of = self._slot_of
+        flats = [base + e for e in dict.fromkeys(routed)]  # distinct, in routing order
+        missed = [flat for flat in flats if flat not in slot_of]
+        budget = len(missed) if fetch_limit is None else self._fetch_budget(fetch_limit, len(missed))
         self._calls += 1
-        self._passes[layer] += 1
+        passes = self._passes[layer] = self._passes[layer] + 1
         self._latest_layer = layer
-        self._ranker.begin(layer)
-
-        slot_for: dict[int, int | None] = {}
-        protected: set[int] = set()
-        for expert in distinct:
-            flat = base + expert
-            slot = self._slot_of.get(flat)
-            if slot is not None:
-                slot_for[expert] = slot
-                protected.add(flat)
-                self._ranker.touch(flat)
-        hits = len(distinct) - len(missed)
-
         ranker = self._ranker
-        if budget < len(missed) or len(distinct) > self._capacity:
-            # Not every miss gets a slot: the policy's most valuable misses go first.
-            missed.sort(key=lambda e: (tuple(-v for v in ranker.fetch_priority(base + e)), e))
+
+        touch = self._touch
+        if touch is not None:
+            for flat in flats:
+                if flat in slot_of:
+                    touch(flat)
         copies: list[tuple[int, int]] = []
         evicted: list[tuple[int, int]] = []
         bypassed: list[int] = []
-        for expert in missed:
-            flat = base + expert
-            slot = None
-            if len(copies) < budget:
-                slot = self._take_slot(layer, protected, evicted)
-            if slot is None:
-                bypassed.append(expert)
-                slot_for[expert] = None
-                continue
-            self._slot_of[flat] = slot
-            self._owner[slot] = flat
-            protected.add(flat)
-            ranker.admit(flat)
-            copies.append((slot, expert))
-            slot_for[expert] = slot
+        if missed:
+            if budget < len(missed) or len(flats) > self._capacity:
+                # Not every miss gets a slot: the policy's most valuable misses go first.
+                missed.sort(key=lambda f: (tuple(-v for v in ranker.fetch_priority(f)), f))
+            # Never a victim: the routed experts that are resident (a routed expert that is
+            # not resident is no candidate anyway).
+            protected = set(flats)
+            for flat in missed:
+                slot = self._take_slot(layer, protected, evicted) if len(copies) < budget else None
+                if slot is None:
+                    bypassed.append(flat - base)
+                    continue
+                slot_of[flat] = slot
+                self._owner[slot] = flat
+                ranker.admit(flat)
+                copies.append((slot, flat - base))
 
-        for expert in distinct:  # recency and counts after the decisions: this call is "now"
-            flat = base + expert
-            self._last_call[flat] = self._calls
-            self._last_pass[flat] = self._passes[layer]
-            self._count[flat] += 1
-        ranker.end([base + e for e in distinct])
-        s = self._stats[layer]
-        self._stats[layer] = CacheStats(s.calls + 1, s.hits + hits, s.misses + len(missed),
-                                        s.fetched + len(copies), s.bypassed + len(bypassed))
-        return ExpertPlan(layer=layer, expert_ids=routed, slots=[slot_for[e] for e in routed],
-                          copies=copies, hits=hits, misses=len(missed),
-                          bypassed=tuple(sorted(bypassed)), evicted=evicted)
-
-    def _tick(self, layer: int) -> None:
-        # A call of ``layer`` that routed nothing this cache tracks (a dueling shadow's view of
-        # a call without sampled experts): the clocks advance, nothing else changes.
-        self._calls += 1
-        self._passes[layer] += 1
-        self._latest_layer = layer
+        # Recency and counts after the decisions: this call is "now".
+        calls, last_call, last_pass, count = self._calls, self._last_call, self._last_pass, self._count
+        for flat in flats:
+            last_call[flat] = calls
+            last_pass[flat] = passes
+            count[flat] += 1
+        ranker.end(flats)
+        counters = self._counters[layer]
+        counters[0] += 1
+        counters[1] += len(flats) - len(missed)
+        counters[2] += len(missed)
+        counters[3] += len(copies)
+        counters[4] += len(bypassed)
+        return _plan(layer=layer, expert_ids=routed, slots=[slot_of.get(base + e) for e in routed],
+                     copies=copies, hits=len(flats) - len(missed), misses=len(missed),
+                     bypassed=tuple(sorted(bypassed)) if bypassed else (), evicted=evicted)
 
     def forget_slot(self, slot: int) -> tuple[int, int] | None:
         """Mark ``slot`` empty after its copy failed; it becomes the first slot to be reused.
@@ -878,7 +1045,7 @@ class ExpertCache:
             raise CacheIntegrityError(f"free list {sorted(self._free)} repeats or holds owned slots")
         if len(free) + owned != self._capacity:
             raise CacheIntegrityError(f"free {len(free)} + owned {owned} ≠ capacity {self._capacity}")
-        for layer, s in enumerate(self._stats):
+        for layer, s in enumerate(self.per_layer_stats()):
             if s.misses != s.fetched + s.bypassed:
                 raise CacheIntegrityError(f"layer {layer}: misses {s.misses} ≠ fetched {s.fetched} "
                                           f"+ bypassed {s.bypassed}")
