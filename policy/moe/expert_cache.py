@@ -730,7 +730,8 @@ class _Horizon(_Ranker):
 
     def _update_crf(self, flats: list[int], now: int) -> None:
         """CRF ← 1 + CRF · 2^(−λ · visits since the last reference), for every candidate λ."""
-        last, crfs, decay, size = self.last, self.crf, self._decay, self.DECAY_TABLE
+        last, crfs, decay = self.last, self.crf, self._decay
+        size = len(decay)
         if len(crfs) == 4:  # the default candidates, unrolled: this runs on every call
             c0, c1, c2, c3 = crfs
             for flat in flats:
