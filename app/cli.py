@@ -9,7 +9,9 @@ forbid static imports from app/ into engine/; this table is the one sanctioned c
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from collections.abc import Mapping
 
 ENGINE_SUBCOMMANDS = {
     "serve": "moetray.engine.serve",
@@ -19,11 +21,29 @@ ENGINE_SUBCOMMANDS = {
 """Subcommand → engine module exposing ``main(argv) -> int`` (argv without the subcommand)."""
 
 
+def has_display(environ: Mapping[str, str], platform: str) -> bool:
+    """Whether a Qt window can open: on Linux only with an X or Wayland display (or a Qt
+    platform chosen explicitly, e.g. ``offscreen``); elsewhere a desktop is assumed."""
+    if not platform.startswith("linux"):
+        return True
+    return any(environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ENGINE_SUBCOMMANDS:
         module = importlib.import_module(ENGINE_SUBCOMMANDS[argv[0]])
         return int(module.main(argv[1:]) or 0)
+    if not has_display(os.environ, sys.platform) and not {"-h", "--help"} & set(argv):
+        # Qt would abort with a platform-plugin error. One click still means "serve the
+        # default model": do that headless, exactly as `moetray serve` would.
+        if "--attach" in argv:
+            print("moetray: no display (DISPLAY and WAYLAND_DISPLAY are unset), so there is no "
+                  "dashboard to attach; use `curl` on the engine's API instead.", file=sys.stderr)
+            return 2
+        print("moetray: no display (DISPLAY and WAYLAND_DISPLAY are unset), so no tray: serving "
+              "the default model headless, as `moetray serve` does. Ctrl-C stops it.", file=sys.stderr)
+        return main(["serve"])
     from moetray.app.main import run_tray
 
     return run_tray(argv)

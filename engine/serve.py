@@ -190,7 +190,12 @@ def main(argv: list[str]) -> int:
 
         torch.set_num_threads(args.threads)
     options = options_from(args)
-    sock = bind_socket(args.host, args.port)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"moetray serve: cannot listen on {args.host}:{args.port}: {exc.strerror} "
+              "(another engine there? pass --port)", file=sys.stderr)
+        return 2
     port = sock.getsockname()[1]
     credentials = load_credentials(api_key=args.api_key, port=port)
     if credentials.token_file is not None:
@@ -210,5 +215,8 @@ def main(argv: list[str]) -> int:
     log.info(
         "moetray engine listening on http://%s:%d (model loads in the background; see /health)", shown, port
     )
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn already shut down gracefully, then re-raised the signal
+        log.info("stopped by Ctrl-C")
     return 0
