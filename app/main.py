@@ -95,6 +95,7 @@ def prepare(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     elif args.token_file:
         raise PrepareRefused("--token-file only applies with --attach.")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s moetray %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per 0.5 s health poll is noise
     return Prepared(args.hidden, args.attach, token, args.no_tray, args.settings)
 
 
