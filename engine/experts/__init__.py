@@ -9,9 +9,9 @@ Public API (stable; the engine server calls these)::
 
     load_offloaded_model(checkpoint_dir, *, device="cpu", dtype=None, capacity,
                          policy=None, fetch_fraction=None, cpu_layers=None,
-                         link_gbps=None, progress=None) -> OffloadedModel
+                         link_gbps=None, progress=None, compute=None) -> OffloadedModel
     load_resident_model(checkpoint_dir, *, device="cpu", dtype=None,
-                        experts_implementation="eager") -> transformers model
+                        experts_implementation="grouped_mm") -> transformers model
 
     OffloadedModel.model     transformers model: non-expert weights on ``device``, experts
                              implementation "moetray", no expert parameters anywhere on the
@@ -20,6 +20,8 @@ Public API (stable; the engine server calls these)::
     OffloadedModel.store     ExpertStore (host tier; pinned on CUDA)
 
     ExpertRuntime.num_layers, .num_experts, .top_k     geometry (MoE layers only)
+    ExpertRuntime.compute                              "grouped_mm" (default) or "eager": the stock
+                                                       implementation it equals bit for bit (fp32)
     ExpertRuntime.capacity                             slots in the pool now
     ExpertRuntime.bytes_per_slot                       device bytes per slot (one expert)
     ExpertRuntime.resize(capacity, mark_teardown=None) -> dict
@@ -67,7 +69,9 @@ from moetray.engine.experts.runtime import (
     IMPLEMENTATION_NAME,
     ExpertRuntime,
     ResizeFault,
+    UnknownComputeMode,
     attach,
+    check_compute,
     moetray_experts_forward,
     register,
 )
@@ -81,6 +85,7 @@ __all__ = [
     "LoaderError",
     "OffloadedModel",
     "ResizeFault",
+    "UnknownComputeMode",
     "capacity_for_fraction",
     "load_offloaded_model",
     "load_resident_model",
@@ -110,9 +115,14 @@ def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.devi
                          policy: str | None = None, fetch_fraction: float | None = None,
                          cpu_layers: str | None = None, link_gbps: float | None = None,
                          progress: Callable[[str, int, int | None], None] | None = None,
-                         allocate: Callable[..., torch.Tensor] | None = None) -> OffloadedModel:
+                         allocate: Callable[..., torch.Tensor] | None = None,
+                         compute: str | None = None) -> OffloadedModel:
     """Load ``checkpoint_dir`` with its routed experts in the host store and ``capacity`` device slots.
 
+    ``compute`` names the stock experts implementation whose arithmetic the runtime
+    reproduces bit for bit (``"grouped_mm"``, transformers' default and the default here, or
+    ``"eager"``); an unknown name is refused (:class:`UnknownComputeMode`) before anything
+    is read.
     ``progress(stage, done, total)`` reports loading. ``allocate(shape, dtype, device)``
     replaces the slot pool's allocator (fault injection). Raises :class:`LoaderError`,
     :class:`ExpertStoreError`, or the planner's ``CacheRefused`` for a bad capacity or
@@ -120,6 +130,7 @@ def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.devi
     """
     from moetray.engine.experts.hybrid import resolve_cpu_layers, resolve_qstar, settle_host_banks
 
+    compute = check_compute(compute)  # refused before anything is read
     dev = resolve_device(device)
     dt = resolve_dtype(checkpoint_dir, dtype)
     qstar = resolve_qstar(fetch_fraction, device=dev)
@@ -131,7 +142,8 @@ def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.devi
     residency = settle_host_banks(store.banks, cpu, dev)
     store.banks_replaced()
     runtime = ExpertRuntime(store, device=dev, capacity=capacity, top_k=top_k, policy=policy,
-                            qstar=qstar, cpu_layers=cpu, link_gbps=link_gbps, allocate=allocate)
+                            qstar=qstar, cpu_layers=cpu, link_gbps=link_gbps, allocate=allocate,
+                            compute=compute)
     runtime.host_residency = [None if c is None else c.value for c in residency.achieved_labels()]
     attach(modules, runtime)
     model.set_experts_implementation(IMPLEMENTATION_NAME)

@@ -202,9 +202,11 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
 
 
 def load_resident_model(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | str | None = None, experts_implementation: str = "eager"):
+                        dtype: torch.dtype | str | None = None, experts_implementation: str = "grouped_mm"):
     """The same checkpoint fully resident, with a stock experts implementation (for identity tests
-    and the benchmark's baseline). ``dtype=None`` follows the same rule as the offloaded loader."""
+    and the benchmark's baseline): by default transformers' own default, ``grouped_mm``, whose
+    arithmetic the offloaded runtime reproduces by default. ``dtype=None`` follows the same rule
+    as the offloaded loader."""
     from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)

@@ -5,23 +5,35 @@
 ``model.set_experts_implementation("moetray")``; transformers calls it with the routing
 already computed, from ``generate`` and from continuous batching alike. For each call it:
 
-1. lists the distinct routed experts exactly as the stock eager loop does (ascending ids);
+1. lists the distinct routed experts in ascending id order (one host read of the routing);
 2. asks :class:`~moetray.policy.moe.qstar.QStarPolicy` how many of this call's misses to
    fetch (hybrid backend only) and :meth:`ExpertCache.ensure
    <moetray.policy.moe.expert_cache.ExpertCache.ensure>` where each routed expert is computed;
 3. has :class:`~moetray.policy.moe.expert_slots.ExpertSlots` copy the misses from the host
    store into the slot pool (validated whole before any write);
-4. computes every routed expert in ascending id order with the eager implementation's own
-   op sequence (``linear`` → gate → ``linear`` → × routing weight → ``index_add_``), from
-   its slot, or from the host store when the plan sent it to the CPU (for a one-token call,
-   i.e. decode, the eager loop's mask-and-gather reduces to slicing row 0, which selects the
-   same values without building masks);
+4. computes every routed expert from its slot, or from the host store when the plan sent it
+   to the CPU, with the arithmetic of one stock implementation (``compute``, below);
 5. records per-layer hits, misses and bytes moved over a sliding window and in total.
 
-In fp32 the output is bit-identical to the stock ``"eager"`` implementation with every expert
-resident, at any capacity: the same tensors meet the same kernels in the same order; only
-where the bytes were read from differs. (On CUDA, an expert the plan sends to the CPU is
-computed by the CPU's kernels and is then only close, not bit-equal.)
+Two compute modes, each bit-identical in fp32 (on the CPU) to the stock implementation it
+is named after, with every expert resident, at any capacity: the same tensors meet the same
+kernels in the same order; only where the weight bytes are read from differs.
+
+- ``"grouped_mm"`` (default; transformers' own default, which ``from_pretrained`` and
+  ``transformers serve`` run): token-expert pairs sorted by expert as the stock path sorts
+  them, one ``mm`` per routed expert's group of rows into a grouped output (the per-group
+  calls PyTorch's grouped-mm kernel makes, minus the empty groups of unrouted experts), then
+  gate, routing weights, un-permutation and the sum over top-k as whole-batch ops. Python
+  work per call is a handful of ops plus one small call per routed expert and projection.
+  When torch has more than one thread, a batched step's small groups (decode of several
+  requests: one or two rows per expert, each a weight-bandwidth-bound matrix-vector
+  product the BLAS runs on one thread) are shared out over the thread budget.
+- ``"eager"``: the stock eager loop's op sequence per expert (``linear`` → gate → ``linear``
+  → × routing weight → ``index_add_``), ascending ids; for a one-token call the eager loop's
+  mask-and-gather reduces to slicing row 0, which selects the same values.
+
+(On CUDA, an expert the plan sends to the CPU is computed by the CPU's kernels and is then
+only close, not bit-equal.)
 
 Costs to know: listing the routed experts reads the routing on the host (``tolist``), so on
 CUDA every MoE layer call has one device→host sync; planning is Python per call (see
@@ -31,9 +43,12 @@ CUDA every MoE layer call has one device→host sync; planning is Python per cal
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -50,9 +65,13 @@ except ImportError:  # pragma: no cover - other transformers versions: always ta
     _DEFAULT_APPLY_GATE = object()
 
 __all__ = [
+    "COMPUTE_MODES",
+    "DEFAULT_COMPUTE",
     "IMPLEMENTATION_NAME",
     "ExpertRuntime",
     "ResizeFault",
+    "UnknownComputeMode",
+    "check_compute",
     "moetray_experts_forward",
     "register",
 ]
@@ -62,8 +81,28 @@ log = logging.getLogger(__name__)
 IMPLEMENTATION_NAME = "moetray"
 """The name this runtime is registered under in transformers' experts interface."""
 
+COMPUTE_MODES = ("grouped_mm", "eager")
+"""The stock experts implementations whose arithmetic the runtime reproduces (``compute=``)."""
+DEFAULT_COMPUTE = "grouped_mm"
+"""transformers' own default experts implementation, and the faster of the two on batched steps."""
+
 _RUNTIME_ATTR = "_moetray_runtime"
 _LAYER_ATTR = "_moetray_layer"
+
+
+class UnknownComputeMode(ValueError):
+    """A ``compute`` mode that is not one of :data:`COMPUTE_MODES` (``kind``: ``unknown_compute_mode``)."""
+
+    kind = "unknown_compute_mode"
+
+
+def check_compute(compute: str | None) -> str:
+    """The compute mode ``compute`` names (None: :data:`DEFAULT_COMPUTE`); refuses an unknown
+    one with :class:`UnknownComputeMode`. Pure."""
+    mode = compute or DEFAULT_COMPUTE
+    if mode not in COMPUTE_MODES:
+        raise UnknownComputeMode(f"unknown compute mode {compute!r}; one of {', '.join(COMPUTE_MODES)}")
+    return mode
 
 
 class ResizeFault(RuntimeError):
@@ -87,7 +126,8 @@ class ExpertRuntime:
     def __init__(self, store: ExpertStore, *, device: torch.device, capacity: int, top_k: int,
                  policy: str | None = None, qstar: Any = None, cpu_layers: frozenset[int] = frozenset(),
                  link_gbps: float | None = None, window_steps: int = 64,
-                 allocate: Callable[..., torch.Tensor] | None = None):
+                 allocate: Callable[..., torch.Tensor] | None = None, compute: str | None = None):
+        self.compute = check_compute(compute)
         self.store = store
         self.device = torch.device(device)
         self.top_k = int(top_k)
@@ -108,6 +148,11 @@ class ExpertRuntime:
         self.slot_device = _TorchSlotDevice(self.pool)
         self.slots = ExpertSlots(self.slot_device, store)
         self._slot_views = self._unpack_slots()
+        self._slot_mats = self._gemm_operands()
+        self._bank_mats: dict[tuple[int, int], tuple] = {}
+        self._padded_out = _padded_grouped_output(self.device)
+        first = geo.segments[0].shape  # gate_up (or up) of one expert: [out, in], or [in, out] transposed
+        self._proj_width = first[1] if geo.is_transposed else first[0]
         self._row0: dict[torch.device, torch.Tensor] = {}
         self._lock = threading.RLock()
         self.window_steps = window_steps
@@ -145,7 +190,125 @@ class ExpertRuntime:
 
     def forward(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,
                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Compute one MoE layer call; see the module docstring for the steps."""
+        """Compute one MoE layer call with the arithmetic of the stock implementation named by
+        :attr:`compute`; see the module docstring for the steps."""
+        if self.compute == "grouped_mm":
+            return self._forward_grouped(module, layer, hidden_states, top_k_index, top_k_weights)
+        return self._forward_eager(module, layer, hidden_states, top_k_index, top_k_weights)
+
+    def _forward_grouped(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,
+                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The stock ``grouped_mm`` implementation's arithmetic over the slot pool.
+
+        Token-expert pairs are ordered by the same ``torch.sort`` the stock path uses; each
+        routed expert's rows are one group, multiplied with ``mm`` into a grouped output laid
+        out as the stock kernel lays it out: exactly the per-group ``mm_out`` calls of
+        PyTorch's grouped-mm CPU kernel, minus the empty groups of experts nobody routed to
+        (the stock kernel visits every expert). Gate, routing weights, un-permutation and the
+        sum over top-k are whole-batch ops on tensors of the stock shapes. So in fp32 on the
+        CPU the output is bit-identical to ``grouped_mm`` with every expert resident.
+        """
+        num_tokens, num_top_k = top_k_index.shape
+        pairs = num_tokens * num_top_k
+        hidden_dim = hidden_states.shape[-1]
+        num_experts = self.num_experts
+        expert_ids = top_k_index.reshape(-1)
+        sorted_ids, perm = torch.sort(expert_ids)
+        ids = sorted_ids.tolist()  # the call's one host read of the routing
+        groups: list[tuple[int, int, int]] = []  # (expert, first row, end row), ascending expert ids
+        start = 0
+        while start < pairs:
+            expert = ids[start]
+            if expert >= num_experts:
+                break  # expert-parallel sentinels sort last and contribute nothing
+            end = bisect_right(ids, expert, start)
+            groups.append((expert, start, end))
+            start = end
+        valid = start
+        routed = [expert for expert, _, _ in groups]
+        states = hidden_states[perm // num_top_k]
+        weights = top_k_weights.reshape(-1)[perm]
+
+        with self._lock:  # held for the whole call: a resize never swaps rows mid-compute
+            plan = self._plan(layer, routed)
+            host_groups = ([i for i, slot in enumerate(plan.slots) if slot is None]
+                           if self.device.type != "cpu" and None in plan.slots else [])
+            # Bring the CPU share's inputs to the host before the slot copies are queued, so
+            # the device→host transfer does not wait behind them and the CPU work overlaps them.
+            host_states = states.cpu() if host_groups else None
+            try:
+                report = self.slots.apply(plan)
+            except SlotDeviceError as exc:
+                self._forget_plan(plan, exc)
+                raise
+            self._record(layer, plan, report.bytes, num_tokens)
+
+            slot_mats, bank_mats = self._slot_mats, self._bank_operands
+            operands = [slot_mats[slot] if slot is not None else bank_mats(layer, expert)
+                        for (expert, _, _), slot in zip(groups, plan.slots, strict=True)]
+            on_device = list(zip(groups, operands, strict=True))
+            if host_groups:
+                on_device = [item for i, item in enumerate(on_device) if i not in host_groups]
+            proj = self._grouped_out(pairs, self._proj_width, states)
+            _project(proj, states, [(lo, hi, w, b) for (_, lo, hi), (w, b, _, _) in on_device])
+            if valid < pairs:
+                proj[valid:].zero_()
+            proj = module._apply_gate(proj) if self.geometry.has_gate else module.act_fn(proj)
+            out = self._grouped_out(pairs, hidden_dim, states)
+            _project(out, proj, [(lo, hi, w, b) for (_, lo, hi), (_, _, w, b) in on_device])
+            for i in host_groups:
+                _, lo, hi = groups[i]
+                out[lo:hi].copy_(self._host_expert(module, operands[i], host_states[lo:hi]))
+            if valid < pairs:
+                out[valid:].zero_()
+        if getattr(module, "has_post_expert_norm", False):
+            out = module.post_expert_norm(out)
+        weighted = out * weights.unsqueeze(-1)
+        restored = torch.empty((pairs, hidden_dim), dtype=weighted.dtype, device=weighted.device)
+        restored.index_copy_(0, perm, weighted)
+        return restored.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+    def _grouped_out(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """An output as the stock grouped GEMM allocates it (rows padded to 16 bytes when the
+        stock path runs PyTorch's grouped-mm kernel; plain rows under transformers' fallback)."""
+        if self._padded_out:
+            align = max(1, 16 // like.element_size())
+            stride = -(-cols // align) * align
+            return torch.empty_strided((rows, cols), (stride, 1), dtype=like.dtype, device=like.device)
+        return torch.empty((rows, cols), dtype=like.dtype, device=like.device)
+
+    def _host_expert(self, module: torch.nn.Module, operands: tuple, states: torch.Tensor) -> torch.Tensor:
+        """One expert of the CPU share on a CUDA device: computed by the CPU from the host store."""
+        w, bias, w_down, bias_down = operands
+        proj = states @ w
+        if bias is not None:
+            proj = proj + bias
+        proj = module._apply_gate(proj) if self.geometry.has_gate else module.act_fn(proj)
+        out = proj @ w_down
+        return out + bias_down if bias_down is not None else out
+
+    def _forget_plan(self, plan, exc: SlotDeviceError) -> None:
+        # The written slots are unknown, the failing one too, and the plan's later copies never
+        # happened: the planner must forget every slot this plan filled.
+        for slot in {*exc.unknown_slots, *(s for s, _ in plan.copies)}:
+            self.cache.forget_slot(slot)
+            self.slots.forget(slot)
+
+    def _bank_operands(self, layer: int, expert: int) -> tuple:
+        """``(layer, expert)``'s GEMM operands straight from the host store (cached views)."""
+        ops = self._bank_mats.get((layer, expert))
+        if ops is None:
+            views = self.store.weights(layer, expert)
+            ops = self._bank_mats[(layer, expert)] = _operands(views, self.geometry)
+        return ops
+
+    def _gemm_operands(self) -> list[tuple]:
+        """Per slot, the grouped path's GEMM operands: views of the pool's rows (rebuilt with them)."""
+        return [_operands(views, self.geometry) for views in self._slot_views]
+
+    def _forward_eager(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,
+                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The stock ``eager`` loop's arithmetic: one expert at a time, ascending ids, ``index_add_``."""
         num_experts = self.num_experts
         final_hidden_states = torch.zeros_like(hidden_states)
         single: dict[int, int] | None = None  # one token (decode): expert → its top-k position
@@ -178,11 +341,7 @@ class ExpertRuntime:
             try:
                 report = self.slots.apply(plan)
             except SlotDeviceError as exc:
-                # The written slots are unknown, the failing one too, and the plan's later
-                # copies never happened: the planner must forget every slot this plan filled.
-                for slot in {*exc.unknown_slots, *(s for s, _ in plan.copies)}:
-                    self.cache.forget_slot(slot)
-                    self.slots.forget(slot)
+                self._forget_plan(plan, exc)
                 raise
             self._record(layer, plan, report.bytes, hidden_states.shape[0])
 
@@ -353,6 +512,7 @@ class ExpertRuntime:
                 raise
             finally:
                 self._slot_views = self._unpack_slots()
+                self._slot_mats = self._gemm_operands()
             return {"old_capacity": old, "capacity": capacity, "kept": self.cache.resident_count,
                     "dropped": len(plan.dropped), "moved": len(plan.moves)}
 
@@ -445,6 +605,101 @@ def _select(expert: int, single: dict[int, int] | None, states: torch.Tensor, we
         return None, states, weights[:, pos:pos + 1]
     top_k_pos, token_idx = torch.where(mask[expert])
     return token_idx, states[token_idx], weights[token_idx, top_k_pos, None]
+
+
+def _operands(views: dict[str, torch.Tensor], geo) -> tuple:
+    """``(first, first_bias, down, down_bias)``: one expert's matrices as the right-hand side of
+    ``states @ matrix``, exactly as the stock grouped path hands them to its GEMM (a transposed
+    view for the ``[out, in]`` layout, the tensor itself for the transposed layout)."""
+    first = views["gate_up_proj" if geo.has_gate else "up_proj"]
+    down = views["down_proj"]
+    if not geo.is_transposed:
+        first, down = first.transpose(-2, -1), down.transpose(-2, -1)
+    return (first, views.get("gate_up_proj_bias" if geo.has_gate else "up_proj_bias"),
+            down, views.get("down_proj_bias"))
+
+
+PARALLEL_MAX_ROWS = 4
+"""Groups of at most this many rows are matrix-vector-like: the BLAS runs each on one thread,
+bound by reading the expert's weights. A batched step has many such groups (decode of several
+requests: one or two rows per routed expert), so the runtime shares them out over the torch
+thread budget itself: each group is still one ``mm`` on one thread, so the values are the same."""
+PARALLEL_MIN_GROUPS = 4
+"""Fewer small groups than this are run on the calling thread (a hand-off costs ~10-30 µs)."""
+
+_workers: ThreadPoolExecutor | None = None
+_workers_lock = threading.Lock()
+
+
+def _gemm_workers() -> ThreadPoolExecutor:
+    """The process's helper threads for :func:`_project` (made on first use, daemon-like: idle
+    threads hold nothing and end with the interpreter)."""
+    global _workers
+    with _workers_lock:
+        if _workers is None:
+            _workers = ThreadPoolExecutor(max_workers=max(1, min(7, (os.cpu_count() or 2) - 1)),
+                                          thread_name_prefix="moetray-gemm")
+        return _workers
+
+
+def _project(out: torch.Tensor, src: torch.Tensor, items: list[tuple]) -> None:
+    """One projection of the grouped path: ``out[lo:hi] = src[lo:hi] @ w (+ b)`` for every
+    ``(lo, hi, w, b)`` in ``items`` (disjoint row ranges, so any order gives the same tensor).
+
+    Small groups (≤ :data:`PARALLEL_MAX_ROWS` rows) are shared out round-robin over the torch
+    thread budget when there are at least :data:`PARALLEL_MIN_GROUPS` of them and gradients
+    are off; the rest run here. Mutates ``out`` only.
+    """
+    threads = torch.get_num_threads()
+    small = ([item for item in items if item[1] - item[0] <= PARALLEL_MAX_ROWS]
+             if threads > 1 and len(items) >= PARALLEL_MIN_GROUPS and src.device.type == "cpu"
+             and not torch.is_grad_enabled() else [])
+    if len(small) < PARALLEL_MIN_GROUPS:
+        gemm = _gemm_into if not torch.is_grad_enabled() else _gemm_into_autograd
+        for lo, hi, w, b in items:
+            gemm(out, lo, hi, src, w, b)
+        return
+    workers = _gemm_workers()
+    parts = min(threads, len(small) // 2, workers._max_workers + 1)  # noqa: SLF001 - our own pool
+    futures = [workers.submit(_gemm_many, out, src, small[i::parts]) for i in range(1, parts)]
+    try:
+        _gemm_many(out, src, [item for item in items if item[1] - item[0] > PARALLEL_MAX_ROWS])
+        _gemm_many(out, src, small[0::parts])
+    finally:
+        for future in futures:
+            future.result()
+
+
+def _gemm_many(out: torch.Tensor, src: torch.Tensor, items: list[tuple]) -> None:
+    for lo, hi, w, b in items:
+        _gemm_into(out, lo, hi, src, w, b)
+
+
+def _gemm_into(out: torch.Tensor, lo: int, hi: int, states: torch.Tensor, w: torch.Tensor,
+               bias: torch.Tensor | None) -> None:
+    """``out[lo:hi] = states[lo:hi] @ w (+ bias)``: the stock grouped kernel's ``mm_out`` for one group."""
+    torch.mm(states[lo:hi], w, out=out[lo:hi])
+    if bias is not None:
+        out[lo:hi].add_(bias)
+
+
+def _gemm_into_autograd(out: torch.Tensor, lo: int, hi: int, states: torch.Tensor, w: torch.Tensor,
+                        bias: torch.Tensor | None) -> None:
+    """:func:`_gemm_into` where autograd records the call (``out=`` is not differentiable);
+    the same values: the product is computed by the same kernel, then copied into place."""
+    out[lo:hi] = torch.mm(states[lo:hi], w) if bias is None else torch.mm(states[lo:hi], w) + bias
+
+
+def _padded_grouped_output(device: torch.device) -> bool:
+    """Whether transformers' stock grouped path runs PyTorch's grouped-mm kernel here (whose
+    output rows are padded to 16 bytes) rather than its own fallback (plain rows)."""
+    try:
+        from transformers.integrations.moe import _can_use_grouped_mm
+    except ImportError:  # pragma: no cover - other transformers versions
+        return False
+    probe = torch.empty(1, 1, device=device)
+    return bool(_can_use_grouped_mm(probe, torch.empty(1, 1, 1, device=device),
+                                    torch.ones(1, dtype=torch.int32, device=device)))
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -13,18 +13,27 @@ NEW_TOKENS = 10
 
 
 @functools.cache
-def resident(checkpoint: Path):
-    """The checkpoint fully resident with the stock eager experts (cached per folder; read-only)."""
+def resident(checkpoint: Path, impl: str = "grouped_mm"):
+    """The checkpoint fully resident with the stock experts implementation ``impl`` (cached per
+    folder and implementation; read-only). The default is transformers' own default, which the
+    offloaded runtime reproduces by default."""
     from moetray.engine.experts import load_resident_model
 
-    return load_resident_model(checkpoint, experts_implementation="eager")
+    return load_resident_model(checkpoint, experts_implementation=impl)
 
 
 @functools.cache
-def reference(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(checkpoint: Path, impl: str = "grouped_mm") -> tuple[torch.Tensor, torch.Tensor]:
     """Stock greedy tokens for PROMPT and the stock logits over prompt + those tokens."""
-    model = resident(checkpoint)
+    model = resident(checkpoint, impl)
     return greedy(model)
+
+
+def runtime_of(model):
+    """The ExpertRuntime an offloaded model's Experts modules are attached to."""
+    from moetray.engine.experts.loader import expert_modules
+
+    return expert_modules(model)[0][1]._moetray_runtime
 
 
 def greedy(model) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,9 +44,10 @@ def greedy(model) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, logits
 
 
-def assert_identical(checkpoint: Path, model) -> None:
-    """Token identity and bit-identical fp32 logits against the stock resident model."""
-    ref_tokens, ref_logits = reference(checkpoint)
+def assert_identical(checkpoint: Path, model, impl: str | None = None) -> None:
+    """Token identity and bit-identical fp32 logits against the stock resident model whose
+    experts implementation is ``impl`` (default: the one the offloaded runtime reproduces)."""
+    ref_tokens, ref_logits = reference(checkpoint, impl or runtime_of(model).compute)
     tokens, logits = greedy(model)
     assert tokens.tolist() == ref_tokens.tolist()
     assert torch.equal(logits, ref_logits), f"max |Δlogit| = {(logits - ref_logits).abs().max().item()}"

@@ -1,17 +1,30 @@
 """Token identity: the offloaded model decodes exactly what the stock resident model decodes.
 
-Every comparison is against transformers' own ``"eager"`` experts implementation with all
-experts resident, in fp32, greedy: same tokens and bit-identical logits.
+Every comparison is against the transformers experts implementation whose arithmetic the
+runtime reproduces (its ``compute`` mode), with all experts resident, in fp32, greedy: same
+tokens and bit-identical logits. The default mode is ``"grouped_mm"``, transformers' own
+default, so the reference is the stock ``grouped_mm`` model; ``compute="eager"`` is compared
+with the stock ``eager`` model. (Until the grouped compute path existed these tests compared
+with ``eager`` only, the runtime's single mode then.) At top-2 the two stock
+implementations agree bit for bit (a two-term sum is the same in either order), so the
+tests that tell the modes apart run at top-4.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from expert_helpers import assert_identical, isolated_profile_dir, one_torch_thread, resident  # noqa: F401
+from expert_helpers import (  # noqa: F401 (autouse fixtures)
+    assert_identical,
+    isolated_profile_dir,
+    one_torch_thread,
+    reference,
+    resident,
+)
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from moetray.engine.experts import load_offloaded_model
+from moetray.engine.experts.runtime import COMPUTE_MODES
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 LAYOUTS = ["per_expert", "fused"]
@@ -38,25 +51,46 @@ def test_greedy_decode_is_token_identical(tiny_moe, family, layout, capacity):
         assert stats.misses > om.runtime.num_experts  # the pool really had to evict
 
 
-def test_continuous_batching_calls_the_runtime_and_matches(tiny_moe):
+@pytest.mark.parametrize("capacity", [1, 6, 16])
+@pytest.mark.parametrize("compute", COMPUTE_MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_compute_mode_equals_its_stock_twin_at_top_4(tiny_moe, family, compute, capacity):
+    """At top-4 the stock ``eager`` and ``grouped_mm`` implementations round differently (the
+    sum over four experts is associated differently), so matching one of them bit for bit is a
+    real constraint: each compute mode must equal its own stock twin, at the floor, mid-size
+    and full capacities. Prevents: the grouped path summing in the eager order (or the
+    reverse), a mode switch that is ignored, a group computed from the wrong slot."""
+    checkpoint = tiny_moe(family, "per_expert", top_k=4)
+    _, eager_logits = reference(checkpoint, "eager")
+    _, grouped_logits = reference(checkpoint, "grouped_mm")
+    assert not torch.equal(eager_logits, grouped_logits)  # the two references really differ
+    om = load_offloaded_model(checkpoint, capacity=capacity, compute=compute)
+    assert om.runtime.compute == compute
+    assert_identical(checkpoint, om.model, compute)
+    om.runtime.check_integrity(deep=True)
+
+
+@pytest.mark.parametrize("compute", COMPUTE_MODES)
+def test_continuous_batching_calls_the_runtime_and_matches(tiny_moe, compute):
     """transformers' continuous batching (paged KV, batched requests) must run the MoE layers
-    through the registered runtime too, with the stock results.
-    Prevents: a path that silently bypasses the experts interface."""
-    checkpoint = tiny_moe("qwen3_moe", "per_expert")
+    through the registered runtime too, with the results of the same stock implementation
+    under continuous batching. Prevents: a path that silently bypasses the experts interface,
+    or a batched step (several tokens per call) that the compute path gets wrong."""
+    checkpoint = tiny_moe("qwen3_moe", "per_expert", top_k=4)
     prompts = [[5, 17, 42, 99, 7], [250, 31, 8, 120, 64, 3, 77, 12, 9], [11, 12, 13]]
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(page_size=16, num_blocks=16, max_batch_tokens=64,
                                   max_requests_per_batch=4, use_cuda_graph=False)
-    want = resident(checkpoint).generate_batch(prompts, generation_config=gen,
-                                               continuous_batching_config=cb, progress_bar=False)
-    om = load_offloaded_model(checkpoint, capacity=CAPACITIES["mid"])
+    stock = resident(checkpoint, compute)
+    want = stock.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
+                                progress_bar=False)
+    om = load_offloaded_model(checkpoint, capacity=CAPACITIES["mid"], compute=compute)
     got = om.model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
                                   progress_bar=False)
     assert om.runtime.calls >= 8 * om.runtime.num_layers
     assert {k: v.generated_tokens for k, v in got.items()} == {k: v.generated_tokens for k, v in want.items()}
     for i, prompt in enumerate(prompts):  # and CB agrees with plain generate
-        ref = resident(checkpoint).generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
-                                            do_sample=False)
+        ref = stock.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert got[f"req_{i}"].generated_tokens == ref[0, len(prompt):].tolist()
 
 

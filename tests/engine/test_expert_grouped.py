@@ -1,0 +1,156 @@
+"""The grouped compute path's own rules: general expert layouts, the thread share-out, its cost.
+
+The runtime's default compute mode reproduces transformers' ``grouped_mm`` experts
+implementation over the slot pool (see ``moetray.engine.experts.runtime``). The identity
+matrix over families, layouts and capacities lives in test_expert_identity; here are the
+rules that matrix cannot reach: biased, transposed experts with a custom gate (gpt-oss), a
+batched step shared out over two threads, the number of GEMMs per call, autograd, refusal.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from expert_helpers import (  # noqa: F401 (autouse fixtures)
+    assert_identical,
+    isolated_profile_dir,
+    one_torch_thread,
+    resident,
+)
+
+from moetray.engine.experts import load_offloaded_model
+from moetray.engine.experts import runtime as runtime_module
+from moetray.engine.experts.loader import expert_modules
+from moetray.engine.experts.runtime import COMPUTE_MODES, UnknownComputeMode
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """A tiny random gpt-oss checkpoint: experts with biases, transposed weights and gpt-oss's
+    own clamped gate, stored as fused stacks; biases drawn non-zero so that dropping one shows."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    config = GptOssConfig(vocab_size=384, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                          num_experts_per_tok=4, max_position_embeddings=512, bos_token_id=1,
+                          eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                          layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_bias"):
+                param.normal_(0.0, 0.1)
+    folder = tmp_path_factory.mktemp("tiny-gpt-oss") / "ckpt"
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("capacity", [1, 16])
+@pytest.mark.parametrize("compute", COMPUTE_MODES)
+def test_biased_transposed_experts_with_a_custom_gate_match_their_stock_twin(gpt_oss, compute, capacity):
+    """gpt-oss experts (gate_up and down biases, ``[in, out]`` weights, a clamped gate of its
+    own) decode bit-identically to the stock implementation of the same name, at the floor
+    (misses computed from the host store) and with every expert resident.
+    Prevents: a dropped or misplaced bias, a transposed operand multiplied the wrong way, the
+    default SwiGLU gate applied where the module defines its own."""
+    module = expert_modules(resident(gpt_oss, compute))[0][1]
+    assert module.has_bias and module.is_transposed
+    assert type(module)._apply_gate is not runtime_module._DEFAULT_APPLY_GATE
+    om = load_offloaded_model(gpt_oss, capacity=capacity, compute=compute)
+    assert_identical(gpt_oss, om.model, compute)
+    om.runtime.check_integrity(deep=True)
+
+
+def _batched_call(checkpoint, tokens: int, *, seed: int = 0):
+    """One layer-0 call of ``tokens`` tokens with distinct random routings, on the offloaded
+    model (every expert resident) and on the stock grouped_mm model."""
+    om = load_offloaded_model(checkpoint, capacity=16)
+    top_k = om.runtime.top_k
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(om.runtime.num_experts, generator=generator)[:top_k]
+                         for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator)
+    states = torch.randn(tokens, om.model.config.hidden_size, generator=generator)
+    mine = expert_modules(om.model)[0][1]
+    stock = expert_modules(resident(checkpoint, "grouped_mm"))[0][1]
+    with torch.no_grad():
+        want = stock(states, index, weights)
+    return om, mine, (states, index, weights), want
+
+
+def test_a_batched_step_shares_its_small_groups_over_the_threads(tiny_moe, monkeypatch):
+    """With two torch threads, a decode step of several requests (each routed expert one or
+    two rows: bandwidth-bound GEMMs the BLAS runs on one thread) has part of its groups run
+    on the runtime's helper thread, and the output stays bit-identical to stock grouped_mm.
+    Prevents: the share-out silently never happening, or two threads writing overlapping rows."""
+    om, mine, args, _ = _batched_call(tiny_moe("qwen3_moe", "per_expert"), tokens=8)
+    stock = expert_modules(resident(tiny_moe("qwen3_moe", "per_expert"), "grouped_mm"))[0][1]
+    threads: list[str] = []
+    real = runtime_module._gemm_many
+
+    def spy(out, src, items):
+        threads.append(threading.current_thread().name)
+        return real(out, src, items)
+
+    monkeypatch.setattr(runtime_module, "_gemm_many", spy)
+    torch.set_num_threads(2)  # the autouse fixture restores the count
+    with torch.no_grad():
+        want = stock(*args)  # the BLAS may round differently at another thread count
+        got = mine(*args)
+    assert torch.equal(got, want)
+    helper = [name for name in threads if name.startswith("moetray-gemm")]
+    assert helper and len(helper) < len(threads)  # shared, not handed off whole
+
+    threads.clear()
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        assert torch.equal(mine(*args), stock(*args))
+    assert threads == []  # one thread: every group runs in place, no hand-off
+
+
+def test_one_gemm_per_routed_expert_and_projection(tiny_moe, monkeypatch):
+    """The grouped path multiplies each routed expert's rows once per projection and visits no
+    expert nobody routed to (the stock kernel steps through every expert of the layer).
+    Prevents: per-call work growing with the number of experts or of slots in the pool."""
+    om, mine, args, want = _batched_call(tiny_moe("qwen3_moe", "per_expert", num_experts=16), tokens=3)
+    calls: list[int] = []
+    real = runtime_module._gemm_into
+
+    def count(out, lo, hi, src, w, b):
+        calls.append(hi - lo)
+        return real(out, lo, hi, src, w, b)
+
+    monkeypatch.setattr(runtime_module, "_gemm_into", count)
+    with torch.no_grad():
+        got = mine(*args)
+    routed = set(args[1].flatten().tolist())
+    assert torch.equal(got, want)
+    assert len(calls) == 2 * len(routed) < 2 * om.runtime.num_experts
+    assert sum(calls) == 2 * args[1].numel()  # every token-expert pair once per projection
+
+
+def test_with_autograd_on_the_values_are_the_same_and_gradients_flow(tiny_moe):
+    """The engine runs without gradients, but a caller with autograd on gets the same values
+    (not an error from ``mm(out=…)``) and gradients for the hidden states.
+    Prevents: the grouped path only working under ``no_grad``."""
+    om, mine, (states, index, weights), want = _batched_call(tiny_moe("qwen3_moe", "per_expert"), tokens=5)
+    states = states.clone().requires_grad_()
+    got = mine(states, index, weights)
+    assert torch.equal(got.detach(), want)
+    got.sum().backward()
+    assert states.grad is not None and torch.isfinite(states.grad).all() and states.grad.abs().sum() > 0
+
+
+def test_an_unknown_compute_mode_is_refused_before_loading(tiny_moe, monkeypatch):
+    """A misspelt compute mode is refused by name before any weight is read."""
+    import moetray.engine.experts as experts
+
+    reads: list[int] = []
+    real = experts.load_skeleton_and_store
+    monkeypatch.setattr(experts, "load_skeleton_and_store", lambda *a, **k: reads.append(1) or real(*a, **k))
+    with pytest.raises(UnknownComputeMode) as err:
+        load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), capacity=4, compute="grouped")
+    assert err.value.kind == "unknown_compute_mode" and reads == []
