@@ -176,7 +176,14 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
         with safe_open(str(path), framework="pt", device=load_device) as fh:
             for key, model_key in pairs:
                 target = meta_sd[model_key]
-                state[model_key] = fh.get_tensor(key).to(dtype=target.dtype)
+                tensor = fh.get_tensor(key)
+                converted = tensor.to(dtype=target.dtype)
+                if load_device == "cpu" and converted.data_ptr() == tensor.data_ptr():
+                    # Still a view of the memory-mapped file: at the file's byte offset (GEMM
+                    # kernels take another path for unaligned operands) and in page-cache pages
+                    # rather than the allocator's (huge-page backed) memory. Own a copy.
+                    converted = converted.clone()
+                state[model_key] = converted
                 done += 1
         report("loading non-expert weights", done, total)
     result = model.load_state_dict(state, strict=False, assign=True)

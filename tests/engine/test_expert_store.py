@@ -128,3 +128,13 @@ def test_throttled_copy_costs_the_slower_of_copy_and_link():
     now[0] += 0.003  # a slow memcpy (3 ms) hides the link time entirely
     link.settle()
     assert now[0] == pytest.approx(0.004) and len(sleeps) == 1
+
+
+def test_non_expert_weights_own_aligned_memory_on_the_cpu(tiny_moe):
+    """On the CPU the non-expert weights are copied out of the memory-mapped checkpoint into
+    the allocator's own (64-byte aligned) memory, as the stock resident model's are.
+    Prevents: weights left at the file's byte offset, where the GEMM kernels take another,
+    slower path than for the stock model (and page-cache pages replace huge pages)."""
+    om = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), capacity=4)
+    misaligned = [name for name, p in om.model.named_parameters() if p.data_ptr() % 64]
+    assert misaligned == []
