@@ -32,9 +32,10 @@ def test_bench_bw_writes_a_profile_the_engine_reads(tmp_path, monkeypatch):
 
 
 def test_bench_engine_runs_every_row_and_stays_identical(tmp_path, monkeypatch):
-    """`moetray bench engine` at toy size: every row present, every row token-identical to
-    resident eager, bytes over the link ordered as the design says (accelerate moves whole
-    layers; moetray at 100 % moves nothing once warm)."""
+    """`moetray bench engine` at toy size: every row present, every row token-identical to the
+    resident row of its own arithmetic (moetray's default compute to resident grouped_mm, its
+    eager compute row and accelerate to resident eager), bytes over the link ordered as the
+    design says (accelerate moves whole layers; moetray at 100 % moves nothing once warm)."""
     monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path / "results"))
     assert offload.main(["--hidden", "64", "--inter", "32", "--layers", "2", "--experts", "8", "--top-k", "2",
                          "--vocab", "384", "--tokens", "4", "--prompt", "6", "--repeats", "1",
@@ -43,8 +44,11 @@ def test_bench_engine_runs_every_row_and_stays_identical(tmp_path, monkeypatch):
     rows = {r["name"]: r for r in receipt["results"]["rows"]}
     assert set(rows) == {"resident eager", "resident grouped_mm", "accelerate → disk", "accelerate → cpu",
                          "moetray 10%", "moetray 25%", "moetray 50%", "moetray 90%", "moetray 100%",
-                         "moetray 100% (lru)"}
+                         "moetray 100% (lru)", "moetray 100% (eager compute)"}
     assert all(r["identical"] for r in rows.values())
+    assert rows["moetray 50%"]["identical_to"] == "resident grouped_mm"
+    assert rows["moetray 100% (eager compute)"]["identical_to"] == "resident eager"
+    assert rows["accelerate → cpu"]["identical_to"] == "resident eager"
     whole_layers = 2 * 8 * 3 * 64 * 32 * 4  # every expert of both layers, per token
     assert rows["accelerate → disk"]["bytes_per_token"] == whole_layers
     assert rows["moetray 100%"]["bytes_per_token"] <= rows["moetray 10%"]["bytes_per_token"]
