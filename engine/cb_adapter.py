@@ -77,13 +77,15 @@ class Sampling:
     per request, independent of what else shares the batch. ``forced_tokens`` is the
     documented **test hook**: the real engine emits exactly these ids, then the first EOS
     id (or greedy when there is none), so tests can drive reasoning / tool-call plumbing
-    deterministically through a random-weight model.
+    deterministically through a random-weight model. ``ignore_eos`` (vLLM's extension, for
+    benchmarks and load tests) runs to ``max_new_tokens`` whatever the model emits.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     forced_tokens: tuple[int, ...] | None = None
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -828,7 +830,7 @@ class BatchRunner:
             request_id=request_id,
             max_new_tokens=max_new_tokens,
             streaming=True,
-            eos_token_id=list(self.config.eos_token_ids) or -1,
+            eos_token_id=-1 if sampling.ignore_eos else (list(self.config.eos_token_ids) or -1),
             **kwargs,
         )
         if added is None:

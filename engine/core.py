@@ -493,7 +493,8 @@ class Engine:
                     raise EngineUnavailable("failed", f"generation failed: {item.error}")
                 if item.is_finished():
                     finished = True
-                    reason = "stop" if tokens and tokens[-1] in self.eos_ids else "length"
+                    ended_by_eos = not record.sampling.ignore_eos and tokens and tokens[-1] in self.eos_ids
+                    reason = "stop" if ended_by_eos else "length"
                     yield Step(new, True, reason)
                     return
                 if new:

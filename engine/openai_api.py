@@ -72,6 +72,8 @@ class SamplingFields(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)
+    # vLLM's extension: generate exactly max_tokens, past EOS and the end-of-turn marker.
+    ignore_eos: StrictBool = False
     # Test hook (honoured only when the engine runs with --test-hooks): the real engine
     # emits exactly these ids, or the encoding of this text, then EOS.
     moetray_test_forced_tokens: list[StrictInt] | None = None
@@ -124,6 +126,7 @@ def _sampling(engine: Engine, body: SamplingFields) -> Sampling:
         top_p=1.0 if body.top_p is None else float(body.top_p),
         seed=body.seed,
         forced_tokens=forced,
+        ignore_eos=body.ignore_eos,
     )
 
 
@@ -256,7 +259,7 @@ def build_router(engine: Engine) -> APIRouter:
         prompt_ids = chat.encode(prompt_text)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_new = engine.fit_max_tokens(len(prompt_ids), requested)
-        stops = chat.stop_strings(_stops(body.stop))
+        stops = _stops(body.stop) if body.ignore_eos else chat.stop_strings(_stops(body.stop))
         sampling = _sampling(engine, body)
         record = engine.admit(prompt_ids, max_new_tokens=max_new, sampling=sampling)
         text = chat.text_stream(

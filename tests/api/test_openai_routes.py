@@ -180,6 +180,25 @@ def test_stop_string_cuts_the_text_and_ends_the_request_early(live, client):
     assert reply.usage.completion_tokens < len(live.engine.chat.encode(forced)) // 2
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_ignore_eos_runs_to_max_tokens_past_the_models_eos(client, ignore_eos):
+    """vLLM's ``ignore_eos``: the forced reply ends in EOS, yet the request runs to max_tokens."""
+    forced = "Hello there"
+    reply = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"moetray_test_forced_text": forced, "ignore_eos": ignore_eos},
+    )
+    choice = reply.choices[0]
+    assert choice.message.content.startswith("Hello there")
+    if ignore_eos:
+        assert (choice.finish_reason, reply.usage.completion_tokens) == ("length", 24)
+    else:
+        assert choice.finish_reason == "stop" and reply.usage.completion_tokens < 24
+
+
 def test_follow_up_turn_reports_cached_prompt_tokens(client):
     """A follow-up that repeats the conversation is served from the prefix cache (usage says so)."""
     history = [{"role": "user", "content": "Remember the word mixture " * 12}]

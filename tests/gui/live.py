@@ -105,14 +105,18 @@ def start_engine(model_dir: Path, tmp: Path, *flags: str) -> EngineProcess:
 
 
 class StreamingChat(threading.Thread):
-    """One streaming chat completion read in a thread; records how it ended."""
+    """One streaming chat completion read in a thread; records how it ended.
+
+    It runs to ``max_tokens`` (``ignore_eos``): a random-weight model sampling at the default
+    temperature can end a reply in a few tokens, before a test has clicked its Stop button.
+    """
 
     def __init__(self, engine: EngineProcess, max_tokens: int = 400,
                  content: str = "tell me a story") -> None:
         super().__init__(daemon=True)
         self.engine = engine
         self.body = {"model": "tiny", "stream": True, "max_tokens": max_tokens,
-                     "messages": [{"role": "user", "content": content}]}
+                     "ignore_eos": True, "messages": [{"role": "user", "content": content}]}
         self.chunks = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
