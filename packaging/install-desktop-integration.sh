@@ -1,6 +1,6 @@
 #!/bin/sh
 # Install (or with --uninstall, remove) moetray's launcher entry, icon and AppStream
-# metadata for the current user, after `pipx install moetray` or `uv tool install moetray`.
+# metadata for the current user, after `pipx install .` or `uv tool install .` from a checkout.
 # Exec= points at the `moetray` found on PATH (or $MOETRAY_BIN), so the launcher runs the
 # same installation. Autostart is a separate, opt-in switch in the dashboard's Settings tab.
 set -eu
@@ -19,7 +19,7 @@ fi
 
 BIN=${MOETRAY_BIN:-$(command -v moetray || true)}
 if [ -z "$BIN" ]; then
-    echo "moetray is not on PATH: install it first (pipx install moetray / uv tool install moetray)" >&2
+    echo "moetray is not on PATH: install it first (from a checkout: pipx install . or uv tool install .)" >&2
     exit 1
 fi
 mkdir -p "$APPS" "$ICONS" "$META"
