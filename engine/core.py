@@ -48,6 +48,7 @@ from moetray.policy.pool_budget import (
     validate_rebuild,
 )
 from moetray.policy.rebuild import EngineActivity
+from moetray.policy.refusal import Refusal
 
 log = logging.getLogger("moetray.engine")
 
@@ -78,12 +79,8 @@ class EngineOptions:
     instance_id: str | None = None
 
 
-class EngineUnavailable(Exception):
+class EngineUnavailable(Refusal):
     """The engine cannot take work for a reason the gate does not express; ``.kind`` is a gate state."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        self.kind = kind
-        super().__init__(message)
 
 
 @dataclass

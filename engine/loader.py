@@ -18,18 +18,16 @@ from typing import Any
 
 import torch
 
+from moetray.policy.refusal import Refusal
+
 log = logging.getLogger("moetray.engine.loader")
 
 SIDECAR = "moetray.json"
 Progress = Callable[[str, int, int | None], None]
 
 
-class CheckpointError(Exception):
+class CheckpointError(Refusal):
     """A folder that cannot be served; ``.kind`` names why (snake_case)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        self.kind = kind
-        super().__init__(message)
 
 
 def _first_int(obj: Any, *names: str) -> int | None:

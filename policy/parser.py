@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 __all__ = [
     "HARMONY",
@@ -80,6 +80,18 @@ def _wire_key(name: str) -> str:
     return name.strip().lower().replace("-", "_").replace(".", "")
 
 
+_F = TypeVar("_F", bound=StrEnum)
+
+
+def _parse_format(enum: type[_F], aliases: Mapping[str, _F], name: str, what: str) -> _F:
+    """``enum``'s member for a wire name or one of its ``aliases``; refuses anything else."""
+    key = _wire_key(name)
+    found = aliases.get(key) or next((f for f in enum if f.value == key), None)
+    if found is None:
+        raise ParserRefused("unknown_format", f"unknown {what} {name!r}", name)
+    return found
+
+
 # --- the wire formats, each described once ---------------------------------------------
 
 
@@ -97,11 +109,7 @@ class ReasoningFormat(StrEnum):
 
         Pure. Refuses with ``ParserRefused("unknown_format")`` for anything else.
         """
-        key = _wire_key(name)
-        found = _REASONING_ALIASES.get(key) or next((f for f in cls if f.value == key), None)
-        if found is None:
-            raise ParserRefused("unknown_format", f"unknown reasoning format {name!r}", name)
-        return found
+        return _parse_format(cls, _REASONING_ALIASES, name, "reasoning format")
 
     @property
     def markers(self) -> ReasoningMarkers:
@@ -177,11 +185,7 @@ class ToolCallFormat(StrEnum):
 
         Pure. Refuses with ``ParserRefused("unknown_format")`` for anything else.
         """
-        key = _wire_key(name)
-        found = _TOOL_ALIASES.get(key) or next((f for f in cls if f.value == key), None)
-        if found is None:
-            raise ParserRefused("unknown_format", f"unknown tool-call format {name!r}", name)
-        return found
+        return _parse_format(cls, _TOOL_ALIASES, name, "tool-call format")
 
     @property
     def markers(self) -> ToolCallMarkers:

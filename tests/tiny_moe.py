@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     MixtralConfig,
@@ -25,13 +24,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+from moetray.engine.bench.tokenizer import chatml_bpe_tokenizer
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Mixture of experts models route each token to a few experts.",
@@ -43,25 +37,7 @@ _CORPUS = [
 
 def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer small enough for a tiny model, with a ChatML template."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
-    )
-    fast.chat_template = CHATML_TEMPLATE
-    return fast
+    return chatml_bpe_tokenizer(_CORPUS * 4, vocab_size)
 
 
 def tiny_config(family: str, *, num_layers: int = 2, num_experts: int = 8, top_k: int = 2,

@@ -68,32 +68,11 @@ def ensure_bench_model(path: Path | None = None) -> Path:
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([_CORPUS] * 20, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
-    )
-    fast.chat_template = (
-        "{% for message in messages %}"
-        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    )
+    from moetray.engine.bench.tokenizer import chatml_bpe_tokenizer
+
+    fast = chatml_bpe_tokenizer([_CORPUS] * 20, vocab_size=1024)
     config = Qwen3MoeConfig(
         vocab_size=len(fast),
         hidden_size=256,

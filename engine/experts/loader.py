@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from moetray.engine.experts.store import ExpertGeometry, ExpertStore, ExpertStoreError, StoreLayer
+from moetray.policy.refusal import Refusal
 
 __all__ = [
     "LoaderError",
@@ -40,12 +41,8 @@ log = logging.getLogger(__name__)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-class LoaderError(RuntimeError):
+class LoaderError(Refusal, RuntimeError):
     """A checkpoint folder that cannot be loaded; ``kind`` names why (snake_case)."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

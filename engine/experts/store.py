@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moetray.policy.refusal import Refusal
+
 __all__ = [
     "ExpertGeometry",
     "ExpertStore",
@@ -55,12 +57,8 @@ results bit-identical to the stock implementation."""
 _PER_EXPERT_RE = re.compile(r"^(?P<prefix>.+)\.(?P<expert>\d+)\.(?P<part>[A-Za-z0-9_]+)\.weight$")
 
 
-class ExpertStoreError(RuntimeError):
+class ExpertStoreError(Refusal, RuntimeError):
     """A checkpoint the store cannot read; ``kind`` names why (snake_case)."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass(frozen=True)

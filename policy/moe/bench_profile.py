@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from moetray.policy.moe.qstar import Backend, QStarPolicy, fetch_fraction, recommend_backend
+from moetray.policy.refusal import Refusal
 
 __all__ = [
     "PROFILE_VERSION",
@@ -46,15 +47,9 @@ PROFILE_VERSION = 1
 LookupStatus = Literal["ok", "missing", "corrupt", "foreign"]
 
 
-class ProfileRefused(ValueError):
+class ProfileRefused(Refusal, ValueError):
     """``kind``: ``not_positive`` (a bandwidth ≤ 0, NaN or infinite), ``only_one_side``
     (one overlapped figure without the other), ``invalid_device`` or ``corrupt``."""
-
-    def __init__(self, kind: str, message: str, **fields: object) -> None:
-        super().__init__(message)
-        self.kind = kind
-        for name, value in fields.items():
-            setattr(self, name, value)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from moetray.policy.refusal import Refusal
+
 __all__ = [
     "DEFAULT_POLICY",
     "POLICIES",
@@ -57,20 +59,13 @@ DEFAULT_POLICY = "horizon"
 """The project's best online policy (see `bench/results/trace.json` for the evidence)."""
 
 
-class CacheRefused(ValueError):
+class CacheRefused(Refusal, ValueError):
     """A request the planner refuses before changing any state.
 
     ``kind`` is one of ``invalid_geometry``, ``below_floor``, ``unknown_policy``,
     ``layer_out_of_range``, ``expert_out_of_range``, ``slot_out_of_range``,
     ``invalid_fetch_limit``; the offending values are attributes named in ``fields``.
     """
-
-    def __init__(self, kind: str, message: str, **fields: object) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.fields = fields
-        for name, value in fields.items():
-            setattr(self, name, value)
 
 
 class CacheIntegrityError(RuntimeError):

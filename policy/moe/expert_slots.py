@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from moetray.policy.refusal import Refusal
+
 __all__ = [
     "UNKNOWN",
     "ApplyReport",
@@ -92,18 +94,11 @@ UNKNOWN: Any = _Unknown()
 """Occupant of a slot whose write or flush failed: its bytes belong to nobody."""
 
 
-class SlotPlanRefused(ValueError):
+class SlotPlanRefused(Refusal, ValueError):
     """The plan failed validation; nothing was written. ``kind`` is one of
     ``geometry_mismatch``, ``layer_out_of_range``, ``expert_out_of_range``,
     ``slot_out_of_range``, ``slot_written_twice``, ``expert_copied_twice``, ``missing_row``,
     ``row_size``, ``length_mismatch``, ``stale_slot``; offending values are attributes."""
-
-    def __init__(self, kind: str, message: str, **fields: object) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.fields = fields
-        for name, value in fields.items():
-            setattr(self, name, value)
 
 
 class SlotDeviceError(RuntimeError):

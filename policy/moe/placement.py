@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import math
 
+from moetray.policy.refusal import Refusal
+
 __all__ = ["PlacementRefused", "auto_cpu_layers", "parse_cpu_layers_spec", "spread_layers"]
 
 
-class PlacementRefused(ValueError):
+class PlacementRefused(Refusal, ValueError):
     """``kind``: ``invalid_geometry``, ``out_of_range`` (an explicit id), ``count_out_of_range``,
     ``fraction_out_of_range``, ``unparsable`` or ``auto_needs_sizes``."""
-
-    def __init__(self, kind: str, message: str, **fields: object) -> None:
-        super().__init__(message)
-        self.kind = kind
-        for name, value in fields.items():
-            setattr(self, name, value)
 
 
 def spread_layers(count: int, num_layers: int) -> frozenset[int]:

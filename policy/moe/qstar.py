@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from moetray.policy.refusal import Refusal
+
 __all__ = [
     "Q16",
     "QStarPolicy",
@@ -30,14 +32,8 @@ Q16 = 1 << 16
 Backend = Literal["offload", "hybrid"]
 
 
-class QStarRefused(ValueError):
+class QStarRefused(Refusal, ValueError):
     """``kind`` is ``invalid_fraction``, ``invalid_cap`` or ``invalid_missing``."""
-
-    def __init__(self, kind: str, message: str, **fields: object) -> None:
-        super().__init__(message)
-        self.kind = kind
-        for name, value in fields.items():
-            setattr(self, name, value)
 
 
 def _q16(fraction: float) -> int:

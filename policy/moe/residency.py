@@ -16,6 +16,8 @@ from collections.abc import Collection, Sequence
 from enum import StrEnum
 from typing import Literal
 
+from moetray.policy.refusal import Refusal
+
 __all__ = [
     "HostResidency",
     "ResidencyPlan",
@@ -27,16 +29,10 @@ __all__ = [
 SettleAction = Literal["pin", "lock", "leave_pageable"]
 
 
-class ResidencyRefused(ValueError):
+class ResidencyRefused(Refusal, ValueError):
     """``kind``: ``layer_out_of_range``, ``device_layer_not_pinned`` (a layer whose experts are
     copied to the device would read unpinned memory) or ``overlap_needs_pinned`` (prefill
     overlap streams every layer, so every layer must be pinned)."""
-
-    def __init__(self, kind: str, message: str, **fields: object) -> None:
-        super().__init__(message)
-        self.kind = kind
-        for name, value in fields.items():
-            setattr(self, name, value)
 
 
 class HostResidency(StrEnum):
