@@ -65,9 +65,6 @@ class Settings:
         self._s.setValue("models/last", folder)
         return recent
 
-    def forget_model(self, folder: str) -> None:
-        self._s.setValue("models/recent", [f for f in self.recent_models if f != folder])
-
     @property
     def last_model(self) -> str:
         """The folder served last, or :data:`DEMO_MODEL` for the embedded default."""

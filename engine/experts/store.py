@@ -87,12 +87,6 @@ class ExpertGeometry:
         last = self.segments[-1]
         return last.offset + _aligned(last.numel)
 
-    def segment(self, name: str) -> Segment:
-        for seg in self.segments:
-            if seg.name == name:
-                return seg
-        raise KeyError(name)
-
     @classmethod
     def from_module(cls, module: torch.nn.Module) -> ExpertGeometry:
         """The packed-row layout of ``module`` (an Experts module, possibly on ``meta``)."""

@@ -130,10 +130,6 @@ class SlotStats(NamedTuple):
         """Share of plans that copied nothing; None before any plan."""
         return self.warm_plans / self.plans if self.plans else None
 
-    @property
-    def bytes_per_plan(self) -> float | None:
-        return self.bytes / self.plans if self.plans else None
-
 
 def row_nbytes(row: Any) -> int:
     """Byte length of a row: its ``nbytes`` (numpy, torch, memoryview) or its buffer's size."""
