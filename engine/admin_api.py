@@ -18,10 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from moetray.engine.core import Engine
 from moetray.engine.errors import ApiError
-from moetray.engine.rebuild import run_rebuild
+from moetray.engine.rebuild import TXN_TIMEOUT_S, run_rebuild
 from moetray.engine.stop import prepare_stop
 from moetray.policy.outbox import FileOutbox
-from moetray.policy.wire import EVENTS_INTERVAL_S, SNAPSHOT_EVENT
+from moetray.policy.wire import EVENTS_INTERVAL_S, RETRY_AFTER_S, SNAPSHOT_EVENT, Retry
 
 
 class RebuildBody(BaseModel):
@@ -29,6 +29,7 @@ class RebuildBody(BaseModel):
     moe_slots: StrictInt | None = Field(default=None, ge=0)
     kv_tokens: StrictInt | None = Field(default=None, ge=0)
     idle_timeout_s: float | None = Field(default=None, ge=0.0, le=3600.0)
+    txn_timeout_s: float = Field(default=TXN_TIMEOUT_S, gt=0.0, le=3600.0)
 
 
 class StopBody(BaseModel):
@@ -80,11 +81,14 @@ def build_router(
     @router.post("/admin/cache/rebuild")
     async def rebuild(body: RebuildBody):
         status_code, payload = await run_rebuild(
-            engine, body.model_dump(exclude_none=True), idle_timeout_s=body.idle_timeout_s
+            engine,
+            body.model_dump(exclude_none=True),
+            idle_timeout_s=body.idle_timeout_s,
+            txn_timeout_s=body.txn_timeout_s,
         )
         headers = None
-        if status_code in (409, 503) and payload.get("error", {}).get("retry") == "now":
-            headers = {"Retry-After": "1"}
+        if status_code in (409, 503) and payload.get("error", {}).get("retry") == Retry.NOW.value:
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(payload, status_code=status_code, headers=headers)
 
     @router.post("/admin/prepare-stop")

@@ -89,16 +89,24 @@ class RebuildFaults:
 
     ``before_teardown``: the allocation fails before anything is freed. ``after_teardown``:
     it fails after the old pool was torn down. ``restore``: the rollback fails too.
+    ``hold``: the transaction waits for this event before its first step (a slow re-split).
     """
 
     before_teardown: bool = False
     after_teardown: bool = False
     restore: bool = False
+    hold: threading.Event | None = None
 
     def take(self, name: str) -> bool:
         armed = getattr(self, name)
         setattr(self, name, False)
         return armed
+
+    def wait_hold(self) -> None:
+        """Blocks the calling transaction until an armed ``hold`` is set; then disarms it."""
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            hold.wait()
 
 
 @dataclass(frozen=True)

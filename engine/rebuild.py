@@ -14,13 +14,19 @@
    On failure the transaction restores only the touched pools; a failed restore latches;
 5. gate ``finish_rebuild(engine_preserved)``.
 
+Step 4 runs in a worker thread, awaited for at most ``txn_timeout_s``. A transaction still
+running then is not cancelled (it may be tearing pools down): the reply is
+``rebuild_timed_out``, the gate stays closed (``rebuild_timed_out`` is the gate's named
+no-op), and the transaction's own end settles the gate as in step 5. Timeouts fail closed.
+
 No weight is reloaded. The reply is ``wire.RebuildResult`` (outcome, before / after sizes,
 whether the prefix cache was invalidated, the time taken): 200 when applied, else the
 outcome's refusal status with the same fields inside ``error``.
 
 Fault injection (tests): ``engine.faults`` arms a one-shot failure before teardown, after
-teardown, or in the restore; MoE-side faults go through the runtime's own
-``inject_resize_fault`` so the real resize path fails where it would in life.
+teardown, or in the restore, or a hold that keeps the transaction from finishing; MoE-side
+faults go through the runtime's own ``inject_resize_fault`` so the real resize path fails
+where it would in life.
 """
 
 from __future__ import annotations
@@ -43,6 +49,11 @@ from moetray.policy.rebuild import Applied, RebuildTxn
 from moetray.policy.wire import error_body, refusal_for
 
 log = logging.getLogger("moetray.engine.rebuild")
+
+TXN_TIMEOUT_S = 60.0
+"""How long a reply waits for the destructive step (a 1 GiB KV re-split takes ~0.15 s).
+
+With the default idle wait (30 s) it stays inside the tray client's 120 s rebuild timeout."""
 
 
 class AllocationFailed(RuntimeError):
@@ -89,6 +100,7 @@ def _free_then_allocate(engine: Engine, request: RebuildRequest):
     runtime = engine.loaded.runtime
 
     def step(mark_teardown, target: PoolSizes) -> PoolSizes:
+        faults.wait_hold()
         touched = request.touched()
         if "kv" not in touched:
             # Expert pool only: resized in place between two steps of the batch loop; the KV
@@ -148,7 +160,13 @@ def _restore(engine: Engine):
     return restore
 
 
-async def run_rebuild(engine: Engine, body: dict[str, Any], *, idle_timeout_s: float | None = None):
+async def run_rebuild(
+    engine: Engine,
+    body: dict[str, Any],
+    *,
+    idle_timeout_s: float | None = None,
+    txn_timeout_s: float = TXN_TIMEOUT_S,
+):
     """Run one live re-split; returns ``(status, body)`` — body is ``wire.RebuildResult`` or an error."""
     t0 = time.perf_counter()
     page = engine.options.page_size
@@ -190,24 +208,17 @@ async def run_rebuild(engine: Engine, body: dict[str, Any], *, idle_timeout_s: f
         target = validate_rebuild(request, current, pricing.floors, idle=activity.is_idle(), **args)
         txn = RebuildTxn.open(request, current)
         dispatched = True
-        outcome = await asyncio.to_thread(
-            txn.run, target, _free_then_allocate(engine, request), _restore(engine)
+        work = asyncio.ensure_future(
+            asyncio.to_thread(txn.run, target, _free_then_allocate(engine, request), _restore(engine))
         )
-        with engine.lock:
-            engine.gate.finish_rebuild(outcome.engine_preserved)
-        elapsed_ms = round((time.perf_counter() - t0) * 1000.0, 3)
-        result = txn.result(outcome, page_size=page, elapsed_ms=elapsed_ms)
-        engine.last_rebuild = result
-        moved = (
-            abs(result["after"]["moe_slots"] - result["before"]["moe_slots"]) * pricing.bytes_per_slot
-            + abs(result["after"]["kv_pages"] - result["before"]["kv_pages"]) * pricing.bytes_per_page
-        )
-        engine.rebuild_timings.append(
-            {"outcome": outcome.outcome, "elapsed_ms": elapsed_ms, "bytes_moved": moved}
-        )
-        log.info(
-            "rebuild %s in %.1f ms: %s → %s", outcome.outcome, elapsed_ms, result["before"], result["after"]
-        )
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(work), txn_timeout_s)
+        except TimeoutError:
+            with engine.lock:
+                engine.gate.rebuild_timed_out()
+            work.add_done_callback(lambda done: _settle_late(engine, txn, done, t0))
+            return _timed_out(txn_timeout_s, current, page)
+        result = _settle(engine, txn, outcome, t0)
         if isinstance(outcome, Applied):
             return 200, result
         message = getattr(outcome, "reason", outcome.outcome)
@@ -239,6 +250,52 @@ async def run_rebuild(engine: Engine, body: dict[str, Any], *, idle_timeout_s: f
             else:
                 engine.gate.rebuild_never_dispatched()
         raise
+
+
+def _settle(engine: Engine, txn: RebuildTxn, outcome, t0: float) -> dict[str, Any]:
+    """Step 5 and the record of what happened: the gate reopens (or latches) on the outcome."""
+    with engine.lock:
+        engine.gate.finish_rebuild(outcome.engine_preserved)
+    pricing, page = engine.pricing, engine.options.page_size
+    elapsed_ms = round((time.perf_counter() - t0) * 1000.0, 3)
+    result = txn.result(outcome, page_size=page, elapsed_ms=elapsed_ms)
+    engine.last_rebuild = result
+    moved = (
+        abs(result["after"]["moe_slots"] - result["before"]["moe_slots"]) * pricing.bytes_per_slot
+        + abs(result["after"]["kv_pages"] - result["before"]["kv_pages"]) * pricing.bytes_per_page
+    )
+    engine.rebuild_timings.append(
+        {"outcome": outcome.outcome, "elapsed_ms": elapsed_ms, "bytes_moved": moved}
+    )
+    log.info("rebuild %s in %.1f ms: %s → %s", outcome.outcome, elapsed_ms, result["before"], result["after"])
+    return result
+
+
+def _settle_late(engine: Engine, txn: RebuildTxn, done: asyncio.Future, t0: float) -> None:
+    """A transaction that outlived its reply ends here: settle the gate on its outcome.
+
+    Raising inside the transaction (not a handled failure) leaves pools of unknown size:
+    the gate latches, as it does when this happens within the reply.
+    """
+    error = None if done.cancelled() else done.exception()
+    if done.cancelled() or error is not None:
+        log.error("a re-split that outlived its reply raised: %r; the engine is latched failed", error)
+        with engine.lock:
+            engine.gate.latch_failed()
+        return
+    _settle(engine, txn, done.result(), t0)
+
+
+def _timed_out(timeout_s: float, sizes: PoolSizes, page: int) -> tuple[int, dict[str, Any]]:
+    status, body = _refusal(
+        "rebuild_timed_out",
+        f"the re-split is still running after {timeout_s:g}s; new requests wait until it ends "
+        "(see /admin/status for its outcome)",
+        sizes,
+        page,
+    )
+    body["error"].update(outcome=None, after=None)  # not known yet: the transaction decides them
+    return status, body
 
 
 def _refusal(kind: str, message: str, sizes: PoolSizes, page: int) -> tuple[int, dict[str, Any]]:

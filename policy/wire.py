@@ -81,6 +81,7 @@ REFUSALS: dict[str, Refusal] = {
     "no_such_pool": Refusal(400, Retry.NEVER, "This model has no such pool."),
     "too_large": Refusal(400, Retry.NEVER, "Those pool sizes do not fit in the memory budget."),
     "idle_timeout": Refusal(503, Retry.NOW, "Requests did not finish in time; nothing was changed."),
+    "rebuild_timed_out": Refusal(503, Retry.LATER, "The re-split is still running; it settles on its own."),
     # Rebuild outcomes that are not success.
     "rejected_intact": Refusal(409, Retry.LATER, "The re-split failed before any pool was freed."),
     "rolled_back": Refusal(409, Retry.NOW, "The re-split failed and the old sizes were restored."),

@@ -563,7 +563,7 @@ class Sizes:
 
 
 OUTCOME_SEVERITY = {"applied": "ok", "rejected_intact": "warning", "rolled_back": "warning",
-                    "latched": "error", "unreachable": "error"}
+                    "pending": "warning", "latched": "error", "unreachable": "error"}
 LATCHED_WAY_OUT = ("The engine is latched failed and serves nothing until it restarts: "
                    "use Stop serving, then Start serving (or Restart engine).")
 
@@ -573,7 +573,9 @@ class ApplyOutcome:
     """What one Apply did, as the engine said it: never paraphrased, never guessed.
 
     ``outcome`` is the rebuild outcome (``applied``, ``rejected_intact``, ``rolled_back``,
-    ``latched``) or ``unreachable`` when no answer came back. ``message`` is the engine's
+    ``latched``), ``pending`` when the engine stopped waiting for a transaction that is
+    still running (``rebuild_timed_out``; the status feed shows how it ends) or
+    ``unreachable`` when no answer came back. ``message`` is the engine's
     own sentence; ``kind`` its refusal kind.
     """
 
@@ -600,6 +602,7 @@ class ApplyOutcome:
 
         head = {"applied": "Applied", "rejected_intact": "Rejected, nothing changed",
                 "rolled_back": "Rolled back to the old sizes", "latched": "LATCHED",
+                "pending": "Still running",
                 "unreachable": "No answer from the engine"}.get(self.outcome, self.outcome)
         parts = [head]
         if self.kind and self.outcome != "applied":
@@ -624,7 +627,8 @@ def rebuild_outcome(status: int | None, body: Mapping[str, Any] | None) -> Apply
 
     Decides the outcome from the body's ``outcome`` when present; an error body without
     one is read by its refusal kind: ``rolled_back`` and ``rebuild_latched``/``latched``
-    name themselves, any other refusal (gate, arithmetic, idle timeout) changed nothing.
+    name themselves, ``rebuild_timed_out`` is ``pending``, any other refusal (gate,
+    arithmetic, idle timeout) changed nothing.
     ``status=None`` means the request got no reply at all. Mutates nothing.
     """
     if status is None or body is None:
@@ -640,6 +644,8 @@ def rebuild_outcome(status: int | None, body: Mapping[str, Any] | None) -> Apply
             outcome = "rolled_back"
         elif kind in ("rebuild_latched", "latched"):
             outcome = "latched"
+        elif kind == "rebuild_timed_out":
+            outcome = "pending"
         else:
             outcome = "rejected_intact"
     message = str(fields.get("message") or "")

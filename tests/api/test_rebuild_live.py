@@ -147,6 +147,38 @@ def test_fault_matrix_recoverable_outcomes_keep_the_engine_serving(eng, fault, b
     assert greedy(eng, "Still serving?") == reference
 
 
+def test_a_transaction_outliving_its_reply_keeps_the_gate_closed_until_it_ends(eng):
+    """Timeouts fail closed: the reply gives up on a slow re-split (``rebuild_timed_out``, retry
+    later), admission stays closed while the pools may be half built, and the transaction's own
+    end reopens the gate with the new sizes. Reopening at the timeout would admit requests
+    into pools being torn down."""
+    hold = threading.Event()
+    eng.engine.faults.hold = hold
+    before = sizes(eng)
+    r = rebuild(eng, kv_tokens=1024, txn_timeout_s=0.2)
+    try:
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert (err["type"], err["retry"]) == ("rebuild_timed_out", "later")
+        assert err["outcome"] is None and err["after"] is None  # the transaction decides them
+        assert "Retry-After" not in r.headers
+        assert eng.status()["state"] == "rebuilding"
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        g = httpx.post(f"{eng.url}/v1/chat/completions", json=body)
+        assert g.status_code == 503 and g.json()["error"]["type"] == "rebuilding"
+        assert rebuild(eng, kv_tokens=2048).json()["error"]["type"] == "busy"
+    finally:
+        hold.set()
+    deadline = time.monotonic() + 30
+    while eng.status()["state"] != "serving" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status = eng.status()
+    assert status["state"] == "serving"
+    assert sizes(eng) == (before[0], 1024 // 16)
+    assert status["last_rebuild"]["outcome"] == "applied"
+    assert greedy(eng, "Back again?")
+
+
 def test_a_failed_restore_latches_the_engine(tiny_qwen3, start_engine):
     engine = start_engine(tiny_qwen3)
     engine.engine.faults.after_teardown = True

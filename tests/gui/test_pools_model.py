@@ -150,3 +150,20 @@ def test_our_own_apply_keeps_the_engines_sentence_when_the_snapshot_echoes_it():
     model.finish_apply(mine)
     model.apply_snapshot(SNAPS[5])  # the same re-split, as the snapshot reports it
     assert model.outcome is mine
+
+
+def test_a_timed_out_apply_is_pending_until_the_snapshot_reports_how_it_ended():
+    """``rebuild_timed_out`` is neither success nor "nothing changed": the transaction still
+    runs. The panel says so, then shows the outcome the engine records when it settles."""
+    model = serving_model()
+    model.select_slots(16)
+    model.begin_apply()
+    body = {"error": {"type": "rebuild_timed_out", "message": "the re-split is still running after 60s",
+                      "retry": "later", "outcome": None, "after": None,
+                      "before": SNAPS[5]["last_rebuild"]["before"]}}
+    pending = rebuild_outcome(503, body)
+    model.finish_apply(pending)
+    assert (pending.outcome, pending.severity, pending.after) == ("pending", "warning", None)
+    assert pending.text().startswith("Still running (rebuild_timed_out) · the re-split is still running")
+    model.apply_snapshot(SNAPS[5])  # the transaction settled: last_rebuild says applied
+    assert model.outcome.outcome == "applied" and model.outcome.after.moe_slots == 16
