@@ -48,7 +48,7 @@ from moetray.policy.pool_budget import (
     validate_rebuild,
 )
 from moetray.policy.rebuild import EngineActivity
-from moetray.policy.refusal import Refusal
+from moetray.policy.refused import Refused
 
 log = logging.getLogger("moetray.engine")
 
@@ -79,7 +79,7 @@ class EngineOptions:
     instance_id: str | None = None
 
 
-class EngineUnavailable(Refusal):
+class EngineUnavailable(Refused):
     """The engine cannot take work for a reason the gate does not express; ``.kind`` is a gate state."""
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from moetray.policy.refusal import Refusal
+from moetray.policy.refused import Refused
 
 log = logging.getLogger("moetray.engine.loader")
 
@@ -26,7 +26,7 @@ SIDECAR = "moetray.json"
 Progress = Callable[[str, int, int | None], None]
 
 
-class CheckpointError(Refusal):
+class CheckpointError(Refused):
     """A folder that cannot be served; ``.kind`` names why (snake_case)."""
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from moetray.engine.experts.store import ExpertGeometry, ExpertStore, ExpertStoreError, StoreLayer
-from moetray.policy.refusal import Refusal
+from moetray.policy.refused import Refused
 
 __all__ = [
     "LoaderError",
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-class LoaderError(Refusal, RuntimeError):
+class LoaderError(Refused, RuntimeError):
     """A checkpoint folder that cannot be loaded; ``kind`` names why (snake_case)."""
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moetray.policy.refusal import Refusal
+from moetray.policy.refused import Refused
 
 __all__ = [
     "ExpertGeometry",
@@ -57,7 +57,7 @@ results bit-identical to the stock implementation."""
 _PER_EXPERT_RE = re.compile(r"^(?P<prefix>.+)\.(?P<expert>\d+)\.(?P<part>[A-Za-z0-9_]+)\.weight$")
 
 
-class ExpertStoreError(Refusal, RuntimeError):
+class ExpertStoreError(Refused, RuntimeError):
     """A checkpoint the store cannot read; ``kind`` names why (snake_case)."""
 
 

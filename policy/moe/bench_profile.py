@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from moetray.policy.moe.qstar import Backend, QStarPolicy, fetch_fraction, recommend_backend
-from moetray.policy.refusal import Refusal
+from moetray.policy.refused import Refused
 
 __all__ = [
     "PROFILE_VERSION",
@@ -47,7 +47,7 @@ PROFILE_VERSION = 1
 LookupStatus = Literal["ok", "missing", "corrupt", "foreign"]
 
 
-class ProfileRefused(Refusal, ValueError):
+class ProfileRefused(Refused, ValueError):
     """``kind``: ``not_positive`` (a bandwidth ≤ 0, NaN or infinite), ``only_one_side``
     (one overlapped figure without the other), ``invalid_device`` or ``corrupt``."""
 

@@ -42,7 +42,7 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from moetray.policy.refusal import Refusal
+from moetray.policy.refused import Refused
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -59,7 +59,7 @@ DEFAULT_POLICY = "horizon"
 """The project's best online policy (see `bench/results/trace.json` for the evidence)."""
 
 
-class CacheRefused(Refusal, ValueError):
+class CacheRefused(Refused, ValueError):
     """A request the planner refuses before changing any state.
 
     ``kind`` is one of ``invalid_geometry``, ``below_floor``, ``unknown_policy``,

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from moetray.policy.refusal import Refusal
+from moetray.policy.refused import Refused
 
 __all__ = [
     "UNKNOWN",
@@ -94,7 +94,7 @@ UNKNOWN: Any = _Unknown()
 """Occupant of a slot whose write or flush failed: its bytes belong to nobody."""
 
 
-class SlotPlanRefused(Refusal, ValueError):
+class SlotPlanRefused(Refused, ValueError):
     """The plan failed validation; nothing was written. ``kind`` is one of
     ``geometry_mismatch``, ``layer_out_of_range``, ``expert_out_of_range``,
     ``slot_out_of_range``, ``slot_written_twice``, ``expert_copied_twice``, ``missing_row``,

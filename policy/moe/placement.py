@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 
-from moetray.policy.refusal import Refusal
+from moetray.policy.refused import Refused
 
 __all__ = ["PlacementRefused", "auto_cpu_layers", "parse_cpu_layers_spec", "spread_layers"]
 
 
-class PlacementRefused(Refusal, ValueError):
+class PlacementRefused(Refused, ValueError):
     """``kind``: ``invalid_geometry``, ``out_of_range`` (an explicit id), ``count_out_of_range``,
     ``fraction_out_of_range``, ``unparsable`` or ``auto_needs_sizes``."""
 

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from moetray.policy.refusal import Refusal
+from moetray.policy.refused import Refused
 
 __all__ = [
     "Q16",
@@ -32,7 +32,7 @@ Q16 = 1 << 16
 Backend = Literal["offload", "hybrid"]
 
 
-class QStarRefused(Refusal, ValueError):
+class QStarRefused(Refused, ValueError):
     """``kind`` is ``invalid_fraction``, ``invalid_cap`` or ``invalid_missing``."""
 
 

@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 from enum import StrEnum
 from typing import Literal
 
-from moetray.policy.refusal import Refusal
+from moetray.policy.refused import Refused
 
 __all__ = [
     "HostResidency",
@@ -29,7 +29,7 @@ __all__ = [
 SettleAction = Literal["pin", "lock", "leave_pageable"]
 
 
-class ResidencyRefused(Refusal, ValueError):
+class ResidencyRefused(Refused, ValueError):
     """``kind``: ``layer_out_of_range``, ``device_layer_not_pinned`` (a layer whose experts are
     copied to the device would read unpinned memory) or ``overlap_needs_pinned`` (prefill
     overlap streams every layer, so every layer must be pinned)."""

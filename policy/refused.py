@@ -8,8 +8,8 @@ as attributes (``fields`` keeps them together), so a caller can say what was wro
 from __future__ import annotations
 
 
-class Refusal(Exception):
-    """``Refusal(kind, message, **fields)``; a subclass that sets ``KINDS`` may carry only those.
+class Refused(Exception):
+    """``Refused(kind, message, **fields)``; a subclass that sets ``KINDS`` may carry only those.
 
     Subclasses also derive from the builtin that fits (``ValueError`` for bad input,
     ``RuntimeError`` for a state that cannot serve), so plain ``except`` clauses keep working.
