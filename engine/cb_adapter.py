@@ -49,6 +49,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingLogitsProcessor,
     ContinuousBatchingLogitsProcessorList,
 )
+from transformers.generation.continuous_batching.continuous_api import OutputRouter
 from transformers.generation.continuous_batching.requests import GenerationOutput
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
 from transformers.generation.logits_process import LogitsProcessorList
@@ -209,15 +210,55 @@ class _DrawProcessor(ContinuousBatchingLogitsProcessor):
         return out
 
 
-def _processor_list() -> ContinuousBatchingLogitsProcessorList:
-    processors = [_TemperatureProcessor(), _TopPProcessor(), _DrawProcessor()]
-    plist = ContinuousBatchingLogitsProcessorList(
-        LogitsProcessorList(processors), per_request_processors=False
-    )
-    # The substrate counts argument rows only while converting its own warpers.
-    plist.tensors_required = len(processors)
-    plist.do_processing = True
-    return plist
+def needs_processors(kwargs: dict[str, Any]) -> bool:
+    """Whether a row with these processor kwargs needs our processors to pick its token.
+
+    A greedy row (temperature 0) with no nucleus (top-p 1) and no forced tokens does not:
+    the processors would leave its logits as they are (temperature 1.0 for greedy rows,
+    top-p keeping everything) and draw the argmax, which is what the substrate's stock
+    greedy sampler picks from the raw fp32 logits. Every other row does (a greedy row with
+    top-p < 1 included: its argmax is taken after the nucleus cut, as it always was).
+    """
+    if kwargs.get("forced_tokens") is not None:
+        return True
+    return float(kwargs.get("temperature", 1.0)) > 0.0 or float(kwargs.get("top_p", 1.0)) < 1.0
+
+
+class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
+    """Our three processors, run only on the steps where some row needs them.
+
+    The substrate calls :meth:`prepare_tensor_args` on the generation thread before every
+    forward (batching is synchronous) and reads ``do_processing`` during that forward, so
+    the decision made here holds for exactly that step: a step whose rows all pass
+    :func:`needs_processors` as false skips the argument tensors and the four full-vocab
+    passes (temperature, top-p check, argmax, mask) and goes straight to the stock argmax.
+    ``steps_processed`` / ``steps_skipped`` count the two paths.
+    """
+
+    def __init__(self) -> None:
+        processors = [_TemperatureProcessor(), _TopPProcessor(), _DrawProcessor()]
+        super().__init__(LogitsProcessorList(processors), per_request_processors=False)
+        # The substrate counts argument rows only while converting its own warpers.
+        self.tensors_required = len(processors)
+        self.do_processing = True
+        self.steps_processed = 0
+        self.steps_skipped = 0
+
+    def prepare_tensor_args(self, requests_in_batch, arg_storage: torch.Tensor) -> torch.Tensor:
+        """Decides (mutating ``do_processing``) whether this step runs the processors; fills args if so."""
+        needed = any(
+            needs_processors(r.state.logit_processor_kwargs) for r in requests_in_batch if r.has_new_token
+        )
+        self.do_processing = needed
+        if not needed:
+            self.steps_skipped += 1
+            return arg_storage
+        self.steps_processed += 1
+        return super().prepare_tensor_args(requests_in_batch, arg_storage)
+
+
+def _processor_list() -> _SamplingProcessors:
+    return _SamplingProcessors()
 
 
 def sampling_kwargs(sampling: Sampling, *, prompt_len: int, eos: int | None) -> dict[str, Any]:
@@ -657,6 +698,41 @@ def kv_overhead_bytes(
 Handler = Callable[[GenerationOutput], None]
 
 
+class _TappingRouter(OutputRouter):
+    """The substrate's output router, plus taps that keep intermediate outputs off the event loop.
+
+    Stock routing wakes the server's event loop (``call_soon_threadsafe``) after every step
+    for every streaming request, and the woken loop competes with the generation thread for
+    the interpreter and the cores while the next step runs. A request registered with a
+    *tap* (a consumer that only needs the whole reply, plus its accounting as it happens)
+    has each intermediate output — not finished, no error — handed to the tap right here on
+    the generation thread, under the router's lock, so unregistering under that lock
+    (:meth:`BatchRunner.cancel`) means no tap runs afterwards. Its last output (finished or
+    failed) still goes to its handler on the loop, as every output of an untapped request
+    does. ``tapped_outputs`` / ``loop_outputs`` count the two routes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taps: dict[str, Handler] = {}
+        self.tapped_outputs = 0
+        self.loop_outputs = 0
+
+    def deliver_batch(self, outputs: list[GenerationOutput]) -> None:
+        to_loop = []
+        with self._lock:
+            for output in outputs:
+                tap = self.taps.get(output.request_id)
+                if tap is not None and output.error is None and not output.is_finished():
+                    tap(output)
+                    self.tapped_outputs += 1
+                else:
+                    to_loop.append(output)
+        if to_loop:
+            self.loop_outputs += len(to_loop)
+            super().deliver_batch(to_loop)
+
+
 @contextmanager
 def _lazily_zeroed_cpu_cache(device: torch.device) -> Iterator[None]:
     """While the substrate builds its paged cache on the CPU, back it with anonymous memory.
@@ -745,6 +821,7 @@ class BatchRunner:
         )
         manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.logit_processor = _processor_list()
+        manager.output_router = _TappingRouter()  # before warmup: the batch processor takes it there
         try:
             with _lazily_zeroed_cpu_cache(self.model.device):
                 manager.warmup()  # builds the batch processor (and so the KV pool) on this thread
@@ -808,11 +885,15 @@ class BatchRunner:
         max_new_tokens: int,
         sampling: Sampling,
         on_output: Handler,
+        on_progress: Handler | None = None,
     ) -> None:
         """Queue a request; ``on_output`` runs on the calling event loop for every step's output.
 
-        Must be called from a coroutine on the server's loop. Raises ``RuntimeError`` when
-        the generation thread cannot take requests.
+        With ``on_progress``, only the last output (finished or failed) reaches ``on_output``;
+        every earlier one goes to ``on_progress`` on the generation thread instead (see
+        :class:`_TappingRouter`), so it must be quick, thread-safe and must not raise. Must be
+        called from a coroutine on the server's loop. Raises ``RuntimeError`` when the
+        generation thread cannot take requests.
         """
         manager = self._require()
         eos = self.config.eos_token_ids[0] if self.config.eos_token_ids else None
@@ -821,10 +902,15 @@ class BatchRunner:
         def deliver(output: GenerationOutput) -> None:
             if output.is_finished():
                 self._handlers.pop(request_id, None)
+                self._drop_tap(request_id)
             on_output(output)
 
         self._handlers[request_id] = on_output
         manager.register_result_handler(request_id, deliver)
+        if on_progress is not None:
+            router = manager.output_router
+            with router._lock:  # noqa: SLF001 - the lock every router table change takes
+                router.taps[request_id] = on_progress
         added = manager.add_request(
             list(input_ids),
             request_id=request_id,
@@ -855,6 +941,29 @@ class BatchRunner:
         if manager is not None:
             with manager.output_router._lock:  # noqa: SLF001 - the router has no public unregister
                 manager.output_router.result_handlers.pop(request_id, None)
+                manager.output_router.taps.pop(request_id, None)
+
+    def _drop_tap(self, request_id: str) -> None:
+        manager = self.manager
+        if manager is not None:
+            with manager.output_router._lock:  # noqa: SLF001 - the router has no public unregister
+                manager.output_router.taps.pop(request_id, None)
+
+    def routing_counts(self) -> tuple[int, int] | None:
+        """(outputs handed to the event loop, outputs tapped on the generation thread); None when stopped."""
+        manager = self.manager
+        if manager is None:
+            return None
+        router = manager.output_router
+        return router.loop_outputs, router.tapped_outputs
+
+    def sampling_steps(self) -> tuple[int, int] | None:
+        """(steps that ran our logits processors, steps that skipped them); None when stopped."""
+        manager = self.manager
+        if manager is None:
+            return None
+        plist = manager.logit_processor
+        return plist.steps_processed, plist.steps_skipped
 
     def cached_tokens(self, request_id: str) -> int:
         """Prompt tokens the prefix cache served for this request (0 before it was scheduled)."""
@@ -968,6 +1077,7 @@ __all__ = [
     "Sampling",
     "kv_bytes_per_page",
     "kv_overhead_bytes",
+    "needs_processors",
     "sampling_kwargs",
     "seeded_uniform",
 ]

@@ -460,12 +460,16 @@ class Engine:
             self.registry[rid] = record
         return record
 
-    async def stream(self, record: RequestRecord) -> AsyncIterator[Step]:
+    async def stream(self, record: RequestRecord, *, every_step: bool = True) -> AsyncIterator[Step]:
         """Run an admitted request; yields its new tokens step by step until it finishes.
 
-        Leaving the iteration early (the client went away, a stop string matched) cancels the
-        request in the batch loop, freeing its pages. The record leaves the registry and its
-        tokens enter the totals either way.
+        ``every_step=False`` is for a consumer that only needs the whole reply (a
+        non-streaming response with no stop string to watch): the intermediate steps are
+        accounted (first token, token counts, ``record.generated``) on the generation thread
+        as they happen, without waking this loop, and the stream yields one final ``Step``
+        carrying every token (or the cancellation). Leaving the iteration early (the client
+        went away, a stop string matched) cancels the request in the batch loop, freeing its
+        pages. The record leaves the registry and its tokens enter the totals either way.
         """
         runner = self.runner
         finished = False
@@ -477,6 +481,7 @@ class Engine:
                 max_new_tokens=record.max_new_tokens,
                 sampling=record.sampling,
                 on_output=record.queue.put_nowait,
+                on_progress=None if every_step else (lambda out: self._account(record, out.generated_tokens)),
             )
             while True:
                 item = await record.queue.get()
@@ -484,15 +489,10 @@ class Engine:
                     finished = True
                     yield Step([], True, "cancelled")
                     return
-                tokens = list(item.generated_tokens)
-                new = tokens[seen:]
+                tokens = item.generated_tokens
+                self._account(record, tokens)
+                new = list(tokens[seen:])
                 seen = len(tokens)
-                if new:
-                    if record.first_token_at is None:
-                        record.first_token_at = self.clock()
-                        self.telemetry.first_token(record.first_token_at - record.created)
-                    record.generated = seen
-                    self.telemetry.tokens(len(new))
                 if item.error is not None:
                     finished = True
                     raise EngineUnavailable("failed", f"generation failed: {item.error}")
@@ -511,6 +511,22 @@ class Engine:
             record.cached_tokens = runner.cached_tokens(record.id)
             runner.forget(record.id)
             self.release(record)
+
+    def _account(self, record: RequestRecord, tokens: list[int]) -> None:
+        """The request has generated ``tokens`` so far: note its first token and count the new ones.
+
+        Mutates the record and the telemetry; a list no longer than what was counted changes
+        nothing. Runs on the loop, or on the generation thread for an ``every_step=False``
+        stream (the telemetry is locked; the router's lock orders it before cancellation).
+        """
+        new = len(tokens) - record.generated
+        if new <= 0:
+            return
+        if record.first_token_at is None:
+            record.first_token_at = self.clock()
+            self.telemetry.first_token(record.first_token_at - record.created)
+        record.generated = len(tokens)
+        self.telemetry.tokens(new)
 
     def release(self, record: RequestRecord) -> None:
         """The reply is over: the request leaves the registry and its tokens join the totals."""

@@ -154,17 +154,25 @@ async def _watch_disconnect(request: Request, engine: Engine, request_id: str) -
 
 
 class _Run:
-    """One admitted request: feeds the engine's steps through its ``TextStream``."""
+    """One admitted request: feeds the engine's steps through its ``TextStream``.
 
-    def __init__(self, engine: Engine, record: RequestRecord, text: TextStream) -> None:
+    ``every_step`` says whether the reply needs the engine's steps as they happen: a
+    streamed reply does, and so does one with a stop string (a match ends generation at
+    that step). Otherwise the engine hands over the whole reply once (``Engine.stream``'s
+    ``every_step=False``) and the text pipeline reads every token in one push.
+    """
+
+    def __init__(self, engine: Engine, record: RequestRecord, text: TextStream, *, every_step: bool) -> None:
         self.engine = engine
         self.record = record
         self.text = text
+        self.every_step = every_step
         self.finish_reason: str | None = None
         self.calls: dict[int, dict[str, Any]] = {}
 
     async def deltas(self) -> AsyncIterator[ChatDelta]:
-        async with contextlib.aclosing(self.engine.stream(self.record)) as steps:
+        stream = self.engine.stream(self.record, every_step=self.every_step)
+        async with contextlib.aclosing(stream) as steps:
             async for step in steps:
                 delta = self.text.push(step.tokens)
                 if self.text.stopped is not None:
@@ -265,7 +273,7 @@ def build_router(engine: Engine) -> APIRouter:
         text = chat.text_stream(
             prompt_ids=prompt_ids, prompt_text=prompt_text, stops=stops, tools=tools, chat=True
         )
-        run = _Run(engine, record, text)
+        run = _Run(engine, record, text, every_step=body.stream or bool(stops))
         model = engine.model_id()
         created = int(time.time())
         cid = f"chatcmpl-{record.id}"
@@ -303,11 +311,10 @@ def build_router(engine: Engine) -> APIRouter:
             len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16
         )
         sampling = _sampling(engine, body)
+        stops = _stops(body.stop)
         record = engine.admit(prompt_ids, max_new_tokens=max_new, sampling=sampling)
-        text = chat.text_stream(
-            prompt_ids=prompt_ids, prompt_text=None, stops=_stops(body.stop), tools=None, chat=False
-        )
-        run = _Run(engine, record, text)
+        text = chat.text_stream(prompt_ids=prompt_ids, prompt_text=None, stops=stops, tools=None, chat=False)
+        run = _Run(engine, record, text, every_step=body.stream or bool(stops))
         cid = f"cmpl-{record.id}"
         created = int(time.time())
         model = engine.model_id()
