@@ -72,8 +72,19 @@ def _moe_layer_count(text) -> int:
     return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0 and i >= first_dense)
 
 
+def _refuse_quantized(config) -> None:
+    """The experts loader's ``quantized_checkpoint`` refusal, as a :class:`CheckpointError`."""
+    from moetray.engine.experts.loader import LoaderError, refuse_quantized
+
+    try:
+        refuse_quantized(config)
+    except LoaderError as exc:
+        raise CheckpointError(exc.kind, str(exc), **exc.fields) from exc
+
+
 def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
-    """Reads a checkpoint folder's config and sidecar; loads no weights. Raises ``CheckpointError``."""
+    """Reads a checkpoint folder's config and sidecar; loads no weights. Raises ``CheckpointError``
+    (``not_a_checkpoint``, ``unreadable_config``, ``quantized_checkpoint``, ``not_moe``)."""
     from transformers import AutoConfig
 
     root = Path(path).expanduser().resolve()
@@ -83,6 +94,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         config = AutoConfig.from_pretrained(root)
     except Exception as exc:
         raise CheckpointError("unreadable_config", f"{root}/config.json: {exc}") from exc
+    _refuse_quantized(config)
     text = config.get_text_config()
     num_experts = _first_int(text, "num_experts", "num_local_experts", "n_routed_experts")
     top_k = _first_int(text, "num_experts_per_tok", "moe_topk", "top_k")

@@ -7,6 +7,13 @@ config, generation config, tokenizer with a ChatML chat template) that
 ``layout="fused"`` stores the transformers-5 stacks (``experts.gate_up_proj`` [E, 2I, H],
 ``experts.down_proj`` [E, H, I]) as some hub checkpoints do. Random routing is fine for
 plumbing and token identity, useless for judging cache policies.
+
+Families: qwen3_moe, qwen2_moe, mixtral, olmoe; and granitemoe, granitemoeshared (whose
+``save_pretrained`` writes the legacy ``input_linear``/``output_linear`` stacks), gpt_oss
+(biased, transposed, interleaved gate/up: ``save_pretrained`` writes the fused stacks, so
+its two layouts are the same files), phimoe (Mixtral's legacy names), deepseek_v2,
+deepseek_v3 and glm4_moe (shared experts; ``dense_layers`` puts dense MLP layers first).
+jetmoe is here only to be refused: transformers computes its experts in its own forward.
 """
 
 from __future__ import annotations
@@ -17,8 +24,16 @@ import torch
 from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    Glm4MoeConfig,
+    GptOssConfig,
+    GraniteMoeConfig,
+    GraniteMoeSharedConfig,
+    JetMoeConfig,
     MixtralConfig,
     OlmoeConfig,
+    PhimoeConfig,
     PreTrainedTokenizerFast,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
@@ -41,7 +56,11 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def tiny_config(family: str, *, num_layers: int = 2, num_experts: int = 8, top_k: int = 2,
-                hidden: int = 64, expert_inter: int = 32, vocab: int = 384):
+                hidden: int = 64, expert_inter: int = 32, vocab: int = 384, dense_layers: int = 0):
+    """A tiny config of ``family``. ``dense_layers`` (DeepSeek-style families only) makes the
+    first that many decoder layers dense MLPs (``first_k_dense_replace``)."""
+    if dense_layers and family not in _DEEPSEEK_STYLE:
+        raise ValueError(f"{family!r} has no dense-layer prefix")
     common = dict(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -63,7 +82,55 @@ def tiny_config(family: str, *, num_layers: int = 2, num_experts: int = 8, top_k
     if family == "olmoe":
         return OlmoeConfig(**common, intermediate_size=expert_inter, num_experts=num_experts,
                            num_experts_per_tok=top_k)
+    if family == "jetmoe":  # an MoE family whose experts are NOT behind the experts interface
+        return JetMoeConfig(**{k: v for k, v in common.items() if k != "num_attention_heads"},
+                            kv_channels=hidden // 4, intermediate_size=expert_inter,
+                            num_local_experts=num_experts, num_experts_per_tok=top_k)
+    if family in ("granitemoe", "granitemoeshared"):
+        granite = dict(intermediate_size=expert_inter, num_local_experts=num_experts,
+                       num_experts_per_tok=top_k, embedding_multiplier=2.0, logits_scaling=4.0,
+                       residual_multiplier=0.5, attention_multiplier=1.0 / 16)
+        if family == "granitemoe":
+            return GraniteMoeConfig(**common, **granite)
+        return GraniteMoeSharedConfig(**common, **granite, shared_intermediate_size=expert_inter * 2)
+    if family == "gpt_oss":
+        return GptOssConfig(**common, head_dim=hidden // 4, intermediate_size=expert_inter,
+                            num_local_experts=num_experts, num_experts_per_tok=top_k, sliding_window=8,
+                            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                         for i in range(num_layers)])
+    if family == "phimoe":
+        return PhimoeConfig(**common, intermediate_size=expert_inter, num_local_experts=num_experts,
+                            num_experts_per_tok=top_k, sliding_window=None)
+    deepseek = dict(moe_intermediate_size=expert_inter, intermediate_size=expert_inter * 2,
+                    n_routed_experts=num_experts, num_experts_per_tok=top_k, n_shared_experts=1,
+                    first_k_dense_replace=dense_layers)
+    mla = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    if family == "deepseek_v2":  # V2-Lite's shape: greedy top-k, no query compression
+        return DeepseekV2Config(**common, **deepseek, **mla, topk_method="greedy", norm_topk_prob=False)
+    if family == "deepseek_v3":  # grouped routing with a score-correction bias, scaled weights
+        return DeepseekV3Config(**common, **deepseek, **mla, n_group=2, topk_group=1,
+                                routed_scaling_factor=2.5, norm_topk_prob=True)
+    if family == "glm4_moe":
+        return Glm4MoeConfig(**common, **deepseek, head_dim=hidden // 4, n_group=1, topk_group=1,
+                             norm_topk_prob=True)
     raise ValueError(f"unknown tiny family {family!r}")
+
+
+_DEEPSEEK_STYLE = ("deepseek_v2", "deepseek_v3", "glm4_moe")
+_CONSTANT_INIT_FAMILIES = ("granitemoe", "granitemoeshared", "gpt_oss", "phimoe", *_DEEPSEEK_STYLE)
+
+
+def _jitter_constants(model: torch.nn.Module) -> None:
+    """Give every tensor that initialises to a constant (norm weights at 1, gpt-oss's expert and
+    attention biases and DeepSeek's routing-correction bias at 0) random values around it, so an
+    identity test notices a loader that drops or misplaces one. (The older families' tiny
+    checkpoints keep their stock init.)"""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if not tensor.is_floating_point() or tensor.numel() < 2:
+                continue
+            if bool((tensor == tensor.flatten()[0]).all()):
+                tensor.add_(0.1 * torch.randn_like(tensor))
 
 
 def make_tiny_moe(dest: Path, family: str = "qwen3_moe", layout: str = "per_expert",
@@ -75,6 +142,8 @@ def make_tiny_moe(dest: Path, family: str = "qwen3_moe", layout: str = "per_expe
     config = tiny_config(family, **config_kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family in _CONSTANT_INIT_FAMILIES:
+        _jitter_constants(model)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(dest)

@@ -33,6 +33,7 @@ __all__ = [
     "checkpoint_files",
     "expert_modules",
     "load_resident_model",
+    "refuse_quantized",
     "resolve_device",
     "resolve_dtype",
 ]
@@ -90,12 +91,32 @@ def expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return sorted(found, key=layer_no)
 
 
-def build_skeleton(checkpoint_dir: str | Path, dtype: torch.dtype):
+def refuse_quantized(config) -> None:
+    """Refuses a checkpoint whose config names a quantization method (``quantization_config``:
+    gpt-oss's MXFP4 blocks and scales, DeepSeek-V3's FP8 with block scales, GPTQ, AWQ, …)
+    with :class:`LoaderError` ``quantized_checkpoint``. The store packs expert tensors as the
+    plain floats it reads, and the scale tensors have no place in the model, so such a
+    checkpoint would load without complaint and compute garbage. Pure; mutates nothing."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None and hasattr(config, "get_text_config"):
+        quant = getattr(config.get_text_config(), "quantization_config", None)
+    if quant:
+        method = (quant.get("quant_method") if isinstance(quant, dict)
+                  else getattr(quant, "quant_method", None))
+        method = getattr(method, "value", method)  # a QuantizationMethod enum on a parsed config
+        raise LoaderError("quantized_checkpoint",
+                          f"the checkpoint is quantized ({method or 'unknown method'}); moetray reads "
+                          "unquantized weights only (fp32, bf16 or fp16): dequantize it first",
+                          quant_method=method)
+
+
+def build_skeleton(checkpoint_dir: str | Path, dtype: torch.dtype, config=None):
     """The model with every parameter on ``meta`` and its buffers real (on the CPU)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(checkpoint_dir)
+    if config is None:
+        config = AutoConfig.from_pretrained(checkpoint_dir)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model
@@ -127,20 +148,31 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
 
     Returns ``(model, store, layers)`` where ``layers`` are the Experts modules in MoE-layer
     order. The Experts modules' weight parameters are set to ``None``. Raises
-    :class:`LoaderError` (``no_experts``, ``missing_weights``) or
+    :class:`LoaderError` (``quantized_checkpoint`` and ``unsupported_family`` before any
+    weight is read; ``missing_weights``) or
     :class:`~moetray.engine.experts.store.ExpertStoreError`.
     """
     from safetensors import safe_open
+    from transformers import AutoConfig
 
     def report(stage: str, done: int, total: int | None) -> None:
         if progress is not None:
             progress(stage, done, total)
 
     report("building model skeleton", 0, None)
-    model = build_skeleton(checkpoint_dir, dtype)
+    config = AutoConfig.from_pretrained(checkpoint_dir)
+    refuse_quantized(config)
+    model = build_skeleton(checkpoint_dir, dtype, config)
     experts = expert_modules(model)
     if not experts:
-        raise LoaderError("no_experts", f"{type(model).__name__} has no transformers Experts modules")
+        # A dense model, or an MoE family whose experts transformers computes in its own
+        # forward (JetMoE, DBRX in 5.24): the runtime is only ever called through the experts
+        # interface, so such a model would run with no expert weights at all.
+        model_type = getattr(config, "model_type", None)
+        raise LoaderError("unsupported_family",
+                          f"{type(model).__name__} ({model_type}) keeps no experts behind transformers' "
+                          "experts interface (use_experts_implementation); moetray cannot offload them",
+                          model_type=model_type)
     store_layers = [StoreLayer(index=i, module_name=name, num_experts=int(mod.num_experts),
                                geometry=ExpertGeometry.from_module(mod))
                     for i, (name, mod) in enumerate(experts)]
