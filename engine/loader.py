@@ -179,6 +179,26 @@ def apply_top_k(model, runtime, top_k: int) -> None:
     runtime.top_k = top_k
 
 
+def refuse_unpageable_attention(config) -> None:
+    """Refuses a model whose attention caches what transformers' continuous batching cannot
+    page, with :class:`CheckpointError` ``unsupported_attention``; pure, mutates nothing.
+
+    Its paged cache (transformers 5.24) holds K and V of one shape, ``[kv heads, head_dim]``.
+    DeepSeek's multi-head latent attention (V2, V2-Lite, V3: ``kv_lora_rank`` set) caches a
+    compressed latent and a rotary key of two other widths instead, which fails on the first
+    batch step. The experts runtime itself computes these models exactly (``generate``); the
+    server, which decodes through continuous batching, cannot."""
+    text = config.get_text_config()
+    if getattr(text, "kv_lora_rank", None):
+        raise CheckpointError(
+            "unsupported_attention",
+            f"{text.model_type} uses multi-head latent attention (kv_lora_rank "
+            f"{text.kv_lora_rank}), whose compressed cache transformers' continuous batching "
+            "cannot page; moetray serve cannot serve it",
+            model_type=text.model_type,
+        )
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
@@ -196,9 +216,15 @@ def load_checkpoint(
     link_gbps: float | None = None,
     policy: str | None = None,
 ) -> LoadedModel:
-    """Loads the model with its experts offloaded (``capacity`` device slots) and applies ``top_k``."""
+    """Loads the model with its experts offloaded (``capacity`` device slots) and applies ``top_k``.
+
+    Refuses ``unsupported_attention`` (:func:`refuse_unpageable_attention`) before reading
+    anything but the config; the experts loader's refusals pass through."""
+    from transformers import AutoConfig
+
     from moetray.engine.experts import load_offloaded_model
 
+    refuse_unpageable_attention(AutoConfig.from_pretrained(info.path))
     progress("loading tokenizer", 0, None)
     tokenizer = load_tokenizer(info.path)
     offloaded = load_offloaded_model(

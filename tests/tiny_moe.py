@@ -129,8 +129,11 @@ def _jitter_constants(model: torch.nn.Module) -> None:
         for tensor in model.state_dict().values():
             if not tensor.is_floating_point() or tensor.numel() < 2:
                 continue
-            if bool((tensor == tensor.flatten()[0]).all()):
-                tensor.add_(0.1 * torch.randn_like(tensor))
+            value = tensor.flatten()[0].item()
+            if bool((tensor == value).all()):
+                # Around a non-zero value, 10 %; around zero, about a router logit's spread, so a
+                # routing bias does not pin every token to the same few experts.
+                tensor.add_((0.1 * abs(value) if value else 0.01) * torch.randn_like(tensor))
 
 
 def make_tiny_moe(dest: Path, family: str = "qwen3_moe", layout: str = "per_expert",

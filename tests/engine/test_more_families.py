@@ -15,6 +15,10 @@ and each tests something the first four (tests/engine/test_expert_identity.py) d
 The tiny checkpoints give every constant-initialised tensor (biases at 0, norms at 1) random
 values, so a bias the loader dropped or misplaced changes the logits.
 
+(DeepSeek-V2/V3 run exactly here, under ``generate``; ``moetray serve`` refuses them because
+transformers' continuous batching cannot page their latent attention cache: see
+tests/api/test_more_families_api.py.)
+
 Refused, never served wrong: a family whose experts transformers computes in its own forward
 (JetMoE), and any quantized checkpoint (gpt-oss's MXFP4, DeepSeek-V3's FP8 with block scales).
 """
