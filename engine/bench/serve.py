@@ -12,7 +12,9 @@ through HTTP exactly as a client's would. Measured in one run:
 3. **follow-up hit after memory pressure** — moetray with radix-decided eviction vs the
    substrate's stock ledger (``--prefix-cache stock``) on a deliberately small KV pool:
    how much of the follow-up's prompt is still cached after other traffic filled the pool;
-4. **re-split latency per byte moved** — ``POST /admin/cache/rebuild`` shifting the KV pool
+4. **HTTP round trip** — ``GET /v1/models`` on a kept-alive connection (no generation): the
+   fixed per-request cost of the HTTP layer, which every request of (1) pays once;
+5. **re-split latency per byte moved** — ``POST /admin/cache/rebuild`` shifting the KV pool
    by 64 MiB, 256 MiB and 1 GiB, and the expert pool between its floor and all experts.
 
 The model is ``--model DIR``, or (default) a random-weight Qwen3-MoE generated once into the
@@ -409,6 +411,18 @@ def resplits(
     return out
 
 
+def http_round_trip_ms(url: str, n: int = 20) -> float:
+    """Median wall ms of ``GET /v1/models`` on one kept-alive connection (after one warm-up)."""
+    times = []
+    with httpx.Client(timeout=60.0) as client:
+        client.get(f"{url}/v1/models").raise_for_status()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            client.get(f"{url}/v1/models").raise_for_status()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def _cpu_seconds(child: Child) -> float:
     """The child server's user + system CPU seconds so far (all its threads)."""
     import psutil
@@ -428,7 +442,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="CPU threads for each server")
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved A/B rounds per level")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved A/B rounds per level (median reported)")
     p.add_argument("--prefix-tokens", type=int, default=1536)
     p.add_argument("--kv-tokens", type=int, default=16384)
     p.add_argument("--skip-transformers", action="store_true", help="measure moetray only")
@@ -451,7 +465,7 @@ def main(argv: list[str]) -> int:
     logdir.mkdir(parents=True, exist_ok=True)
     page, kv_pages = args.page_size, args.kv_tokens // args.page_size
     common = dict(threads=args.threads, logdir=logdir, page=page, batch_tokens=args.max_batch_tokens)
-    results: dict[str, Any] = {"throughput": {}, "ttft": {}, "pressure": {}, "resplit": []}
+    results: dict[str, Any] = {"throughput": {}, "http_rtt_ms": {}, "ttft": {}, "pressure": {}, "resplit": []}
     children: list[Child] = []
     try:
         print("starting moetray serve…", flush=True)
@@ -485,6 +499,9 @@ def main(argv: list[str]) -> int:
                     cpu_s = _cpu_seconds(child) - cpu0
                     res["server_cpu_ms_per_token"] = cpu_s / max(1, res["tokens"]) * 1e3
                     results["throughput"][name][str(c)].append(res)
+        for name, child, _ in servers:
+            print(f"HTTP round trip on {name}…", flush=True)
+            results["http_rtt_ms"][name] = http_round_trip_ms(child.url)
         for name, child, mid in servers:
             print(f"TTFT cold vs follow-up ({args.prefix_tokens}-token prefix) on {name}…", flush=True)
             results["ttft"][name] = asyncio.run(
@@ -543,6 +560,9 @@ def main(argv: list[str]) -> int:
         a, b = med("moetray", c, key), med("transformers serve", c, key)
         rows.append([f"server CPU ms per generated token, concurrency {c} (B/A: CPU efficiency)", a, b,
                      (b / a) if a and b else None])
+    rtt_a, rtt_b = (results["http_rtt_ms"].get(n) for n in ("moetray", "transformers serve"))
+    rows.append(["HTTP round trip ms, GET /v1/models (median of 20, no generation)", rtt_a, rtt_b,
+                 (rtt_a / rtt_b) if rtt_a and rtt_b else None])
     for name, label in (("moetray", "moetray"), ("transformers serve", "transformers serve")):
         t = results["ttft"].get(name)
         if t:
@@ -606,6 +626,11 @@ def main(argv: list[str]) -> int:
         "shared machine disturb less. moetray computes its experts with its default arithmetic "
         "(stock grouped_mm's, bit for bit) and, with two threads, shares a decode step's small expert "
         "GEMMs over both; transformers serve runs stock grouped_mm with every expert resident."
+    )
+    notes.append(
+        "HTTP round trip: a request that needs no generation, so it is the HTTP layer alone; every "
+        "throughput request pays it once. A ~40 ms round trip is Nagle's algorithm meeting the client's "
+        "delayed ACK: the server's connections lack TCP_NODELAY."
     )
     notes.append(
         "Re-split ms is the server's elapsed_ms (gate → validate → idle wait → txn); HTTP ms adds the "
