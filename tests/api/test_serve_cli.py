@@ -101,3 +101,32 @@ def test_serve_refuses_a_network_bind_without_an_api_key(tiny_qwen3, tmp_path):
     done = subprocess.run(cmd, env=child_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "non-loopback" in done.stderr and "--api-key" in done.stderr
+
+
+def test_the_listening_socket_gives_accepted_connections_tcp_nodelay():
+    """asyncio (hence uvicorn) sets TCP_NODELAY on a connection only when the listening
+    socket's protocol is TCP; without it Nagle holds each small reply ~40 ms behind the
+    client's delayed ACK (seen as a 44 ms ``GET /v1/models``)."""
+    import asyncio
+
+    from moetray.engine.serve import bind_socket
+
+    async def nodelay_of_an_accepted_connection() -> int:
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def on_connect(reader, writer):
+            sock = writer.get_extra_info("socket")
+            accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=bind_socket("127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await asyncio.wait_for(accepted, 10)
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(nodelay_of_an_accepted_connection()) == 1
