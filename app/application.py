@@ -165,6 +165,9 @@ class MoetrayApp(QObject):
             return EngineState.FAILED, self.supervisor.last_reason
         state = EngineState(gate) if gate else EngineState.LOADING
         if state == EngineState.FAILED:
+            reason = self.model.engine.failure
+            if reason:
+                return state, f"The engine failed: {reason}"
             return state, "The engine reports it failed; see Logs, then restart."
         load = self.model.engine.load
         if state == EngineState.LOADING and load is not None:

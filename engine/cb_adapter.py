@@ -44,6 +44,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager, RequestStatus
+from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 from transformers.generation.continuous_batching.cache_allocators.cache_allocator import BlockLedger
 from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingLogitsProcessor,
@@ -56,6 +57,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from moetray.policy.anchor import AnchorRetention, AnchorState
 from moetray.policy.radix import RadixCache
+from moetray.policy.refused import Refused
 
 log = logging.getLogger("moetray.engine.cb")
 
@@ -63,6 +65,36 @@ RADIX_SCHEDULER = "moetray_radix"
 PREFIX_POLICIES = ("radix", "stock", "off")
 """``radix``: policy.radix decides evictions; ``stock``: the substrate's evict-everything
 ledger (kept for the side-by-side measurement); ``off``: no prefix reuse at all."""
+
+
+class PrefixPolicyRefused(Refused, ValueError):
+    """``radix_needs_full_attention``: radix was asked for by name on a model with other layers."""
+
+    KINDS = ("radix_needs_full_attention",)
+
+
+def choose_prefix_policy(requested: str | None, config) -> str:
+    """The prefix policy a model is served with; decided from its config, before any weight loads.
+
+    ``None`` (the default) is ``radix`` when every layer is full attention, else ``stock``:
+    the substrate keeps sliding-window layers in per-request rings of blocks that the radix
+    tree cannot own (gpt-oss alternates them). Naming ``radix`` for such a model is refused
+    with ``PrefixPolicyRefused("radix_needs_full_attention")`` rather than served otherwise.
+    """
+    if requested is not None and requested not in PREFIX_POLICIES:
+        raise ValueError(f"prefix_policy must be one of {PREFIX_POLICIES}, got {requested!r}")
+    groups = sorted(group_layers_by_attn_type(config.get_text_config()))
+    full_only = groups == ["full_attention"]
+    if requested is None:
+        return "radix" if full_only else "stock"
+    if requested == "radix" and not full_only:
+        raise PrefixPolicyRefused(
+            "radix_needs_full_attention",
+            f"--prefix-cache radix needs every layer to be full attention; this model has {groups} "
+            "layers (leave --prefix-cache unset to serve it with the stock prefix cache)",
+            groups=groups,
+        )
+    return requested
 
 _U_SCALE = float(2**31)
 
@@ -827,9 +859,7 @@ class BatchRunner:
                 manager.warmup()  # builds the batch processor (and so the KV pool) on this thread
             processor = manager.batch_processor
             cache = processor.cache
-            if cfg.prefix_policy == "radix":
-                if list(cache.cache_allocators) != ["full_attention"]:
-                    raise ValueError("radix prefix reuse needs a full-attention-only model")
+            if choose_prefix_policy(cfg.prefix_policy, self.model.config) == "radix":
                 allocator = cache.cache_allocators["full_attention"]
                 held = cfg.anchor_max_held_tokens
                 if held is None:
@@ -1068,6 +1098,8 @@ class BatchRunner:
 
 __all__ = [
     "PREFIX_POLICIES",
+    "PrefixPolicyRefused",
+    "choose_prefix_policy",
     "BatchRunner",
     "KVStats",
     "LiveRequest",

@@ -30,10 +30,12 @@ from moetray.engine.cb_adapter import (
     BatchRunner,
     RunnerConfig,
     Sampling,
+    choose_prefix_policy,
     kv_bytes_per_page,
     kv_overhead_bytes,
 )
 from moetray.engine.telemetry import Telemetry, device_memory
+from moetray.policy import wire
 from moetray.policy.maintenance import GateState, MaintenanceGate, SealedAccounting
 from moetray.policy.pool_budget import (
     DEFAULT_KV_RESERVE_TOKENS,
@@ -68,7 +70,7 @@ class EngineOptions:
     page_size: int = 16
     max_batch_tokens: int = 256
     max_requests_per_batch: int = 32
-    prefix_policy: str = "radix"
+    prefix_policy: str | None = None  # None: cb_adapter.choose_prefix_policy decides per model
     top_k: int | None = None
     expert_policy: str | None = None
     link_gbps: float | None = None
@@ -178,6 +180,8 @@ class Engine:
         )
         self.load_progress: dict[str, Any] | None = {"stage": "starting", "done": 0, "total": None}
         self.load_error: str | None = None
+        self.load_error_kind: str | None = None  # the refusal's kind when loading was refused by name
+        self.prefix_policy: str | None = None  # decided from the model's config at load
         self.loaded = None  # moetray.engine.loader.LoadedModel
         self.runner: BatchRunner | None = None
         self.pricing: PoolPricing | None = None
@@ -211,7 +215,8 @@ class Engine:
             self._load()
         except Exception as exc:  # the reason travels to /health; the gate latches
             log.exception("loading failed")
-            self.load_error = f"{type(exc).__name__}: {exc}"
+            self.load_error_kind = getattr(exc, "kind", None)
+            self.load_error = str(exc) if self.load_error_kind else f"{type(exc).__name__}: {exc}"
             with self.lock:
                 self.gate.finish_loading(False)
             return
@@ -236,6 +241,7 @@ class Engine:
             model_dir = ensure_demo_model(self._progress)
         self._progress("reading config", 0, None)
         info = loader.inspect_checkpoint(model_dir)
+        self.prefix_policy = choose_prefix_policy(opts.prefix_policy, info.config)
         device = loader.resolve_device(opts.device)
         dtype = loader.resolve_dtype(opts.dtype, info, device)
         top_k = opts.top_k or info.default_top_k
@@ -370,7 +376,7 @@ class Engine:
             page_size=opts.page_size,
             max_batch_tokens=opts.max_batch_tokens,
             max_requests_per_batch=opts.max_requests_per_batch,
-            prefix_policy=opts.prefix_policy,
+            prefix_policy=self.prefix_policy,
             eos_token_ids=self.eos_ids,
             anchor_token=anchor_token,
             step_delay_s=opts.test_step_delay_s if opts.test_hooks else 0.0,
@@ -614,10 +620,11 @@ class Engine:
             uptime_seconds=round(self.uptime_s(), 3),
         )
 
-    def health(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"state": self.gate.state.value, "load_progress": self.load_progress}
+    def health(self) -> wire.Health:
+        body: wire.Health = {"state": self.gate.state.value, "load_progress": self.load_progress}
         if self.load_error is not None:
             body["error"] = self.load_error
+            body["error_kind"] = self.load_error_kind
         if self.loaded is not None:
             body["model"] = self.loaded.info.model_id
         return body

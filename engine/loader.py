@@ -54,10 +54,7 @@ class CheckpointInfo:
     hidden_size: int
     context_length: int | None
     sidecar: dict[str, Any] = field(default_factory=dict)
-
-    def bytes_per_slot(self, dtype: torch.dtype) -> int:
-        """Device bytes of one expert (gate, up and down projections) at ``dtype``."""
-        return 3 * self.hidden_size * self.expert_intermediate * torch.empty((), dtype=dtype).element_size()
+    config: Any = None  # the transformers config read from config.json
 
     @property
     def max_moe_slots(self) -> int:
@@ -125,6 +122,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         hidden_size=text.hidden_size,
         context_length=_first_int(text, "max_position_embeddings"),
         sidecar=sidecar,
+        config=config,
     )
 
 

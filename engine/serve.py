@@ -77,9 +77,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=32, help="requests per batch")
     p.add_argument(
         "--prefix-cache",
-        default="radix",
+        default=None,
         choices=["radix", "stock", "off"],
-        help="prefix reuse: radix-decided eviction (default), the substrate's stock ledger, or none",
+        help="prefix reuse: radix-decided eviction, the substrate's stock ledger, or none "
+        "(default: radix when every layer is full attention, else stock)",
     )
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default: the checkpoint's)")
     p.add_argument("--expert-policy", default=None, help="expert cache policy (default: the project's best)")

@@ -138,6 +138,16 @@ class LoadProgress(TypedDict):
     total: int | None
 
 
+class Health(TypedDict, total=False):
+    """``GET /health`` (no auth): the one route that answers while the model loads."""
+
+    state: GateStateName
+    load_progress: LoadProgress | None
+    error: str  # why the engine failed; present once it has
+    error_kind: str | None  # that failure's snake_case kind when it was a refusal by name
+    model: str  # the served model's id, once loaded
+
+
 class ModelInfo(TypedDict):
     id: str
     path: str

@@ -127,6 +127,7 @@ class EngineModel(_Model):
         self.context_length: int | None = None
         self.load: LoadStep | None = None
         self.uptime_s: float | None = None
+        self.failure: str | None = None  # the engine's own words for why it failed (``/health``)
 
     def set_state(self, state: EngineState, detail: str | None = None) -> bool:
         """Set the tray-side state and its explanation; emits ``changed`` if either differs."""
@@ -167,11 +168,13 @@ class EngineModel(_Model):
         return changed
 
     def apply_health(self, body: Mapping[str, Any]) -> bool:
-        """Take load progress from a ``/health`` body (the only route that answers while loading)."""
+        """Take load progress and any failure reason from a ``wire.Health`` body (the only
+        route that answers while loading)."""
         progress = body.get("load_progress")
         load = (LoadStep(str(progress["stage"]), int(progress["done"]), progress.get("total"))
                 if progress else None)
-        changed = self._assign("load", load)
+        error = body.get("error")
+        changed = self._assign("load", load) | self._assign("failure", None if error is None else str(error))
         if changed:
             self.changed.emit()
         return changed
@@ -180,7 +183,7 @@ class EngineModel(_Model):
         """Drop what was learned from an engine that is gone (the endpoint stays)."""
         changed = False
         for name in ("model_id", "model_label", "model_path", "architecture", "geometry",
-                     "context_length", "load", "uptime_s"):
+                     "context_length", "load", "uptime_s", "failure"):
             changed |= self._assign(name, None)
         if changed:
             self.changed.emit()

@@ -27,8 +27,6 @@ FAMILIES = {
 MLA_FAMILIES = {"deepseek_v2": {"num_layers": 3, "dense_layers": 1},
                 "deepseek_v3": {"num_layers": 3, "dense_layers": 1}}
 LAYOUT = {"gpt_oss": "fused"}  # the others: what save_pretrained writes
-# radix prefix reuse pages full-attention layers only; gpt-oss alternates sliding-window layers.
-ENGINE_OPTIONS = {"gpt_oss": {"prefix_policy": "stock"}}
 NEW_TOKENS = 12
 FLOOR = 8  # the engine's floor: one MoE layer's experts (of 2 × 8)
 
@@ -56,7 +54,7 @@ def test_greedy_completion_equals_the_stock_model(tiny_moe, start_engine, family
     tok = AutoTokenizer.from_pretrained(checkpoint)
     prompt = tok.encode("The quick brown fox jumps over the lazy dog. Mixture of experts")
     want = stock_greedy(checkpoint, prompt)
-    engine = start_engine(checkpoint, moe_capacity=FLOOR, **ENGINE_OPTIONS.get(family, {}))
+    engine = start_engine(checkpoint, moe_capacity=FLOOR)
     body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     out = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=30).json()
     assert out["usage"]["completion_tokens"] == NEW_TOKENS
@@ -72,7 +70,7 @@ def test_a_family_outside_the_experts_interface_fails_the_load(tiny_moe, start_e
     engine = start_engine(tiny_moe("jetmoe", "per_expert"), wait=False)
     health = engine.wait_state({"failed", "serving"})
     assert health["state"] == "failed"
-    assert "experts interface" in health["error"]
+    assert health["error_kind"] == "unsupported_family" and "experts interface" in health["error"]
 
 
 @pytest.mark.parametrize("family", list(MLA_FAMILIES))
@@ -83,5 +81,20 @@ def test_multi_head_latent_attention_fails_the_load_by_name(tiny_moe, start_engi
     engine = start_engine(tiny_moe(family, "per_expert", **MLA_FAMILIES[family]), wait=False)
     health = engine.wait_state({"failed", "serving"})
     assert health["state"] == "failed"
+    assert health["error_kind"] == "unsupported_attention"
     assert "multi-head latent attention" in health["error"]
     assert health["load_progress"]["stage"] == "reading config"  # refused before any weight moved
+
+
+def test_sliding_window_layers_get_the_stock_prefix_cache_unless_radix_is_named(tiny_moe, start_engine):
+    """radix owns full-attention blocks only; gpt-oss alternates sliding-window layers, whose
+    blocks the substrate keeps in per-request rings. Left unset, the prefix policy follows the
+    model (gpt-oss serves above with the stock cache); named, radix is refused by kind while
+    the config is read, never after every weight has loaded."""
+    assert start_engine(tiny_moe("qwen3_moe", "per_expert")).engine.prefix_policy == "radix"
+    checkpoint = tiny_moe("gpt_oss", "fused")
+    assert start_engine(checkpoint).engine.prefix_policy == "stock"
+    engine = start_engine(checkpoint, prefix_policy="radix", wait=False)
+    health = engine.wait_state({"failed", "serving"})
+    assert (health["state"], health["error_kind"]) == ("failed", "radix_needs_full_attention")
+    assert health["load_progress"]["stage"] == "reading config"

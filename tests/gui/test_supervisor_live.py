@@ -111,3 +111,20 @@ def test_quit_takes_the_stop_receipt_then_ends_the_engine(supervised, tiny_model
     receipts = list(Path(os.environ["XDG_STATE_HOME"]).rglob("*.json"))
     assert len(receipts) == 1, receipts
     assert time.monotonic() - started < 60
+
+
+def test_a_model_the_engine_refuses_shows_the_engines_own_reason(supervised, qtbot, tmp_path):
+    """A folder the launcher accepts (it has a config.json) but the engine refuses while
+    reading it: the tray must say the engine's sentence, not just "failed, see Logs"."""
+    import json
+
+    dense = tmp_path / "dense-llama"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "vocab_size": 384}))
+    assert supervised.start_serving(str(dense))
+    qtbot.waitUntil(lambda: supervised.model.engine.state == EngineState.FAILED, timeout=START_MS)
+    detail = supervised.model.engine.detail
+    assert detail.startswith("The engine failed: ") and "is not a mixture-of-experts checkpoint" in detail
