@@ -81,11 +81,15 @@ class LiveEngine:
         return httpx.get(f"{self.url}/admin/status", headers=ADMIN, timeout=10.0).json()
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
+        """The status once the engine is idle: no request listed, and none still held by the
+        batch loop (a cancelled request leaves the list at once but keeps its pages until
+        the loop's next step boundary; the engine's own ``activity`` counts it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            snap = self.status()
-            if not snap["requests"]:
-                return snap
+            if self.engine.activity().is_idle():
+                snap = self.status()
+                if not snap["requests"]:
+                    return snap
             time.sleep(0.02)
         raise TimeoutError("requests still in flight")
 
