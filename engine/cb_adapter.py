@@ -289,10 +289,6 @@ class _SamplingProcessors(ContinuousBatchingLogitsProcessorList):
         return super().prepare_tensor_args(requests_in_batch, arg_storage)
 
 
-def _processor_list() -> _SamplingProcessors:
-    return _SamplingProcessors()
-
-
 def sampling_kwargs(sampling: Sampling, *, prompt_len: int, eos: int | None) -> dict[str, Any]:
     """The per-request keyword arguments our processors read (types checked by the substrate)."""
     kwargs: dict[str, Any] = {"temperature": float(sampling.temperature), "top_p": float(sampling.top_p)}
@@ -852,7 +848,7 @@ class BatchRunner:
             auto_switch_to_flash=False,
         )
         manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-        manager.logit_processor = _processor_list()
+        manager.logit_processor = _SamplingProcessors()
         manager.output_router = _TappingRouter()  # before warmup: the batch processor takes it there
         try:
             with _lazily_zeroed_cpu_cache(self.model.device):
