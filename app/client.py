@@ -76,7 +76,7 @@ def error_from_reply(status: int, body: Any) -> EngineError:
     """An :class:`EngineError` from a non-2xx reply in OpenAI's error shape (or not)."""
     if isinstance(body, Mapping) and isinstance(body.get("error"), Mapping):
         err = body["error"]
-        kind = str(err.get("type") or "internal")
+        kind = str(err.get("kind") or err.get("type") or "internal")
         message = str(err.get("message") or wire.refusal_for(kind).summary)
         return EngineError(kind, message, status=status, body=body)
     if isinstance(body, Mapping) and "detail" in body:  # a framework-level reply

@@ -113,13 +113,40 @@ def refusal_for(kind: str) -> Refusal:
     return REFUSALS.get(kind, Refusal(500, Retry.NEVER, "Internal error."))
 
 
+OPENAI_ERROR_TYPES: dict[int, str] = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+"""OpenAI's error ``type`` by status; any other 4xx is ``invalid_request_error``, any 5xx ``server_error``."""
+
+GENERIC_KINDS = frozenset({"invalid_request_error"})
+"""Kinds that say no more than the status does: their OpenAI ``code`` is null."""
+
+
+def openai_error_type(status: int) -> str:
+    """The ``type`` an OpenAI client expects for an error with this HTTP status."""
+    if status >= 500:
+        return "server_error"
+    return OPENAI_ERROR_TYPES.get(status, "invalid_request_error")
+
+
 def error_body(kind: str, message: str, **extra: object) -> dict[str, object]:
-    """OpenAI's error shape: ``{"error": {"message", "type", "code", ...}}`` with our retry class."""
+    """OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``, plus moetray's own.
+
+    ``type`` is OpenAI's class for the status (``invalid_request_error``, ``server_error``, …),
+    ``code`` the refusal's kind as a string (null for a generic bad request), ``param`` the
+    offending field or null. moetray adds ``kind`` (the refusal's snake_case name) and
+    ``retry`` (now / later / never); ``extra`` fields (``param`` among them) are merged in.
+    """
     refusal = refusal_for(kind)
     error: dict[str, object] = {
         "message": message,
-        "type": kind,
-        "code": refusal.status,
+        "type": openai_error_type(refusal.status),
+        "param": None,
+        "code": None if kind in GENERIC_KINDS else kind,
+        "kind": kind,
         "retry": refusal.retry.value,
     }
     error.update(extra)

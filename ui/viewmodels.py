@@ -638,7 +638,7 @@ def rebuild_outcome(status: int | None, body: Mapping[str, Any] | None) -> Apply
         message = "" if body is None else str(body.get("message", ""))
         return ApplyOutcome("unreachable", None, message, None, None, None, None)
     fields: Mapping[str, Any] = body.get("error", body) if isinstance(body.get("error"), dict) else body
-    kind = fields.get("type") if "error" in body else None
+    kind = fields.get("kind") if "error" in body else None
     outcome = fields.get("outcome")
     if outcome is None:
         if status < 300:

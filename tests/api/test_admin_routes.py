@@ -19,7 +19,7 @@ def test_health_needs_no_token_but_admin_routes_do(live):
         assert httpx.get(f"{live.url}{path}").status_code == 401
         r = httpx.get(f"{live.url}{path}", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
-        assert r.json()["error"]["type"] == "unauthorized"
+        assert r.json()["error"]["kind"] == "unauthorized"
         assert httpx.get(f"{live.url}{path}", headers=ADMIN).status_code == 200
     r = httpx.post(f"{live.url}/admin/prepare-stop", json={})
     assert r.status_code == 401  # an unauthenticated stop changes nothing
@@ -31,7 +31,7 @@ def test_unknown_host_header_is_refused_everywhere(live):
     for path in ("/health", "/v1/models", "/admin/status"):
         r = httpx.get(f"{live.url}{path}", headers={"Host": "evil.example", **ADMIN})
         assert r.status_code == 403
-        assert r.json()["error"]["type"] == "forbidden_host"
+        assert r.json()["error"]["kind"] == "forbidden_host"
     assert httpx.get(f"{live.url}/health", headers={"Host": "localhost:1234"}).status_code == 200
     assert httpx.get(f"{live.url}/health", headers={"Host": "[::1]:80"}).status_code == 200
 
@@ -174,7 +174,7 @@ def test_admin_cancel_during_prefill(slow):
 def test_cancelling_an_unknown_request_is_404(live):
     r = httpx.post(f"{live.url}/admin/requests/req-nope/cancel", headers=ADMIN)
     assert r.status_code == 404
-    assert r.json()["error"]["type"] == "not_found"
+    assert r.json()["error"]["kind"] == "not_found"
 
 
 def test_the_admin_token_is_compared_exactly(live):
@@ -191,6 +191,6 @@ def test_a_dead_batch_loop_latches_the_engine_failed(tiny_qwen3, start_engine):
     engine.engine.runner.manager.stop(block=True, timeout=10)  # the loop is gone behind the engine's back
     r = httpx.post(f"{engine.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 503
-    assert r.json()["error"]["type"] == "failed"
+    assert r.json()["error"]["kind"] == "failed"
     health = httpx.get(f"{engine.url}/health").json()
     assert health["state"] == "failed" and "batch loop" in health["error"]

@@ -281,7 +281,7 @@ def test_prompt_over_the_context_is_refused_with_the_exact_wording(live):
     r = httpx.post(f"{live.url}/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=30)
     assert r.status_code == 400
     err = r.json()["error"]
-    assert err["type"] == "context_length_exceeded"
+    assert err["kind"] == "context_length_exceeded"
     assert err["message"] == f"prompt is too long: {limit + 3} tokens > {limit - 1} maximum"
 
 
@@ -306,7 +306,7 @@ def test_generation_while_loading_is_503_with_the_gate_state(tiny_qwen3, start_e
     r = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
                    timeout=10)
     assert r.status_code == 503
-    assert r.json()["error"]["type"] == "loading"
+    assert r.json()["error"]["kind"] == "loading"
     assert r.json()["error"]["retry"] == "later"
     assert httpx.get(f"{engine.url}/health").json()["state"] == "loading"
     engine.engine.start_loading()

@@ -107,7 +107,7 @@ def test_arithmetic_refusals_change_nothing(eng, body, status, kind):
     r = rebuild(eng, **body)
     assert r.status_code == status
     err = r.json()["error"]
-    assert err["type"] == kind
+    assert err["kind"] == kind
     assert err["before"] == err["after"]
     assert sizes(eng) == before
     assert eng.status()["state"] == "serving"
@@ -138,7 +138,7 @@ def test_fault_matrix_recoverable_outcomes_keep_the_engine_serving(eng, fault, b
     r = rebuild(eng, **body)
     assert r.status_code == 409
     err = r.json()["error"]
-    assert err["type"] == outcome and err["outcome"] == outcome
+    assert err["kind"] == outcome and err["outcome"] == outcome
     assert err["before"] == err["after"]
     assert err["prefix_cache_invalidated"] is invalidated
     assert "injected" in err["message"]
@@ -159,14 +159,14 @@ def test_a_transaction_outliving_its_reply_keeps_the_gate_closed_until_it_ends(e
     try:
         assert r.status_code == 503
         err = r.json()["error"]
-        assert (err["type"], err["retry"]) == ("rebuild_timed_out", "later")
+        assert (err["kind"], err["retry"]) == ("rebuild_timed_out", "later")
         assert err["outcome"] is None and err["after"] is None  # the transaction decides them
         assert "Retry-After" not in r.headers
         assert eng.status()["state"] == "rebuilding"
         body = {"messages": [{"role": "user", "content": "x"}]}
         g = httpx.post(f"{eng.url}/v1/chat/completions", json=body)
-        assert g.status_code == 503 and g.json()["error"]["type"] == "rebuilding"
-        assert rebuild(eng, kv_tokens=2048).json()["error"]["type"] == "busy"
+        assert g.status_code == 503 and g.json()["error"]["kind"] == "rebuilding"
+        assert rebuild(eng, kv_tokens=2048).json()["error"]["kind"] == "busy"
     finally:
         hold.set()
     deadline = time.monotonic() + 30
@@ -186,21 +186,21 @@ def test_a_failed_restore_latches_the_engine(tiny_qwen3, start_engine):
     r = rebuild(engine, kv_tokens=1024)
     assert r.status_code == 500
     err = r.json()["error"]
-    assert err["type"] == "rebuild_latched" and err["outcome"] == "latched"
+    assert err["kind"] == "rebuild_latched" and err["outcome"] == "latched"
     assert err["retry"] == "never"
     assert "rollback failed" in err["message"]
     assert httpx.get(f"{engine.url}/health").json()["state"] == "failed"
     g = httpx.post(f"{engine.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-    assert g.status_code == 503 and g.json()["error"]["type"] == "failed"
+    assert g.status_code == 503 and g.json()["error"]["kind"] == "failed"
     again = rebuild(engine, kv_tokens=2048)
-    assert again.status_code == 503 and again.json()["error"]["type"] == "latched"
+    assert again.status_code == 503 and again.json()["error"]["kind"] == "latched"
 
 
 def test_rebuild_before_the_model_loaded_is_not_ready(tiny_qwen3, start_engine):
     engine = start_engine(tiny_qwen3, load=False)
     r = rebuild(engine, kv_tokens=1024)
     assert r.status_code == 503
-    assert r.json()["error"]["type"] == "not_ready"
+    assert r.json()["error"]["kind"] == "not_ready"
     assert httpx.get(f"{engine.url}/health").json()["state"] == "loading"
 
 
@@ -209,7 +209,7 @@ def _post_with_retry(url: str, body: dict, log: list) -> dict:
     while True:
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         if r.status_code == 503:
-            assert r.json()["error"]["type"] == "rebuilding"
+            assert r.json()["error"]["kind"] == "rebuilding"
             assert r.json()["error"]["retry"] == "now"
             log.append(float(r.headers["Retry-After"]))
             time.sleep(0.05)
@@ -277,7 +277,7 @@ def test_idle_wait_times_out_and_leaves_everything_as_it_was(slow):
         f"{slow.url}{REBUILD}", headers=ADMIN, json={"kv_tokens": 1024, "idle_timeout_s": 0.2}, timeout=30
     )
     assert r.status_code == 503
-    assert r.json()["error"]["type"] == "idle_timeout"
+    assert r.json()["error"]["kind"] == "idle_timeout"
     assert r.headers["Retry-After"] == "1"
     assert sizes(slow) == before
     assert slow.status()["state"] == "serving"

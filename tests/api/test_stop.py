@@ -40,9 +40,9 @@ def test_stop_retried_three_times_returns_one_receipt_and_one_file(tiny_qwen3, s
     assert json.loads((outbox / files[0]).read_text()) == body["receipt"]
     # admission is closed for good, and a re-split is refused while stopping
     g = httpx.post(f"{engine.url}/v1/completions", json={"prompt": "x"}, timeout=10)
-    assert g.status_code == 503 and g.json()["error"]["type"] == "stopping"
+    assert g.status_code == 503 and g.json()["error"]["kind"] == "stopping"
     rb = httpx.post(f"{engine.url}/admin/cache/rebuild", headers=ADMIN, json={"kv_tokens": 1024})
-    assert rb.status_code == 409 and rb.json()["error"]["type"] == "busy"
+    assert rb.status_code == 409 and rb.json()["error"]["kind"] == "busy"
 
 
 def test_stop_drains_running_requests_before_sealing(tiny_qwen3, start_engine):
@@ -126,7 +126,7 @@ def test_stop_during_a_rebuild_is_refused_and_changes_nothing(tiny_qwen3, start_
         time.sleep(0.002)
     r = stop(engine)
     assert r.status_code == 503
-    assert r.json()["error"]["type"] == "rebuild_in_progress"
+    assert r.json()["error"]["kind"] == "rebuild_in_progress"
     assert r.headers["Retry-After"] == "1"
     t.join(timeout=60)
     rb.join(timeout=60)
@@ -143,7 +143,7 @@ def test_an_unwritable_outbox_is_a_retryable_500_and_a_retry_persists(tiny_qwen3
     r = stop(engine)
     assert r.status_code == 500
     err = r.json()["error"]
-    assert err["type"] == "not_persisted" and err["retry"] == "now"
+    assert err["kind"] == "not_persisted" and err["retry"] == "now"
     blocked.unlink()
     again = stop(engine)
     assert again.status_code == 200

@@ -158,7 +158,7 @@ def test_a_timed_out_apply_is_pending_until_the_snapshot_reports_how_it_ended():
     model = serving_model()
     model.select_slots(16)
     model.begin_apply()
-    body = {"error": {"type": "rebuild_timed_out", "message": "the re-split is still running after 60s",
+    body = {"error": {"kind": "rebuild_timed_out", "message": "the re-split is still running after 60s",
                       "retry": "later", "outcome": None, "after": None,
                       "before": SNAPS[5]["last_rebuild"]["before"]}}
     pending = rebuild_outcome(503, body)

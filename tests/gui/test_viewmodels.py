@@ -183,7 +183,7 @@ def test_applied_outcome_shows_before_after_and_time():
 def test_a_rejection_is_shown_with_the_engines_own_reason():
     # Paraphrasing would lose the numbers the engine put in its sentence.
     message = "needs 9000000 bytes but the budget leaves 4128768; old pools kept, still serving"
-    body = {"error": {"message": message, "type": "too_large", "code": 400, "retry": "never",
+    body = {"error": {"message": message, "kind": "too_large", "code": "too_large", "retry": "never",
                       "outcome": "rejected_intact", "before": BEFORE, "after": BEFORE,
                       "prefix_cache_invalidated": False, "elapsed_ms": 0.4}}
     outcome = rebuild_outcome(400, body)
@@ -192,16 +192,16 @@ def test_a_rejection_is_shown_with_the_engines_own_reason():
 
 
 def test_refusal_without_outcome_fields_is_read_by_its_kind():
-    rolled = rebuild_outcome(409, {"error": {"message": "slot allocation failed", "type": "rolled_back"}})
-    latched = rebuild_outcome(500, {"error": {"message": "restore failed", "type": "rebuild_latched"}})
-    gate = rebuild_outcome(503, {"error": {"message": "", "type": "not_ready"}})
+    rolled = rebuild_outcome(409, {"error": {"message": "slot allocation failed", "kind": "rolled_back"}})
+    latched = rebuild_outcome(500, {"error": {"message": "restore failed", "kind": "rebuild_latched"}})
+    gate = rebuild_outcome(503, {"error": {"message": "", "kind": "not_ready"}})
     assert rolled.outcome == "rolled_back" and rolled.severity == "warning"
     assert latched.outcome == "latched" and latched.severity == "error"
     assert gate.outcome == "rejected_intact" and gate.message == "The engine is not serving yet."
 
 
 def test_latched_outcome_names_the_way_out():
-    latched = rebuild_outcome(500, {"error": {"message": "restore failed", "type": "rebuild_latched"}})
+    latched = rebuild_outcome(500, {"error": {"message": "restore failed", "kind": "rebuild_latched"}})
     assert latched.way_out and "Start serving" in latched.text()
 
 

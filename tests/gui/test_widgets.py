@@ -90,7 +90,7 @@ def test_pools_panel_says_why_it_is_disabled(qtbot):
 
 @pytest.mark.parametrize(("status", "body", "restart_visible"), [
     (200, SNAPS[5]["last_rebuild"], False),
-    (500, {"error": {"message": "restore failed", "type": "rebuild_latched"}}, True),
+    (500, {"error": {"message": "restore failed", "kind": "rebuild_latched"}}, True),
 ])
 def test_outcome_is_shown_verbatim_and_latched_offers_restart(qtbot, status, body, restart_visible):
     model = DashboardModel()

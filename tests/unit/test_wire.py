@@ -1,5 +1,7 @@
 """Rules of the HTTP contract shared by the engine (writer) and the tray (reader)."""
 
+import pytest
+
 from moetray.policy.wire import REFUSALS, ROUTES, Retry, error_body, refusal_for, route_path
 
 
@@ -32,4 +34,21 @@ def test_every_refusal_says_which_kind_of_no():
 def test_error_body_is_openai_shaped_with_retry_class():
     body = error_body("rebuilding", "server unavailable: engine is rebuilding")
     assert body == {"error": {"message": "server unavailable: engine is rebuilding",
-                              "type": "rebuilding", "code": 503, "retry": "now"}}
+                              "type": "server_error", "param": None, "code": "rebuilding",
+                              "kind": "rebuilding", "retry": "now"}}
+
+
+@pytest.mark.parametrize(("kind", "openai_type", "code"), [
+    ("invalid_request_error", "invalid_request_error", None),
+    ("context_length_exceeded", "invalid_request_error", "context_length_exceeded"),
+    ("unauthorized", "authentication_error", "unauthorized"),
+    ("forbidden_host", "permission_error", "forbidden_host"),
+    ("not_found", "not_found_error", "not_found"),
+    ("busy", "invalid_request_error", "busy"),
+    ("rebuild_latched", "server_error", "rebuild_latched"),
+])
+def test_error_type_follows_the_status_and_code_names_the_kind(kind, openai_type, code):
+    """OpenAI clients pick their exception from the status, then ``code`` (a string or null);
+    ``type`` is OpenAI's class, never moetray's kind (which travels as ``kind``)."""
+    error = error_body(kind, "m", param="x")["error"]
+    assert (error["type"], error["code"], error["kind"], error["param"]) == (openai_type, code, kind, "x")
