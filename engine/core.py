@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from moetray.engine.budget import MAX_TOKENS_CEILING, ContextCeiling, DeviceBudget
-from moetray.engine.cb_adapter import (
+from moetray.engine.cb import (
     BatchRunner,
     RunnerConfig,
     Sampling,
@@ -70,7 +70,7 @@ class EngineOptions:
     page_size: int = 16
     max_batch_tokens: int = 256
     max_requests_per_batch: int = 32
-    prefix_policy: str | None = None  # None: cb_adapter.choose_prefix_policy decides per model
+    prefix_policy: str | None = None  # None: cb.choose_prefix_policy decides per model
     top_k: int | None = None
     expert_policy: str | None = None
     link_gbps: float | None = None
@@ -182,7 +182,7 @@ class Engine:
         self.load_error: str | None = None
         self.load_error_kind: str | None = None  # the refusal's kind when loading was refused by name
         self.prefix_policy: str | None = None  # decided from the model's config at load
-        self.loaded = None  # moetray.engine.loader.LoadedModel
+        self.loaded = None  # moetray.engine.models.checkpoint.LoadedModel
         self.runner: BatchRunner | None = None
         self.pricing: PoolPricing | None = None
         self.ceiling: ContextCeiling | None = None
@@ -228,9 +228,9 @@ class Engine:
     def _load(self) -> None:
         import torch
 
-        from moetray.engine import loader
         from moetray.engine.budget import cpu_budget, cuda_budget, cuda_free_bytes
         from moetray.engine.chat import ChatSupport
+        from moetray.engine.models import checkpoint as loader
 
         opts = self.options
         model_dir = opts.model_dir
@@ -714,7 +714,7 @@ class Engine:
         if self.ceiling is None:
             raise EngineUnavailable(self.gate.state.value, "the engine is not serving yet")
         if requested is not None and (requested < 1 or requested > MAX_TOKENS_CEILING):
-            from moetray.engine.errors import ApiError
+            from moetray.engine.api.errors import ApiError
 
             raise ApiError(
                 "invalid_request_error",

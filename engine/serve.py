@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 # setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from moetray.engine.security import BindRefused, Credentials, HostPolicy, check_bind, load_credentials  # noqa: E402
+from moetray.engine.api.security import BindRefused, Credentials, HostPolicy, check_bind, load_credentials  # noqa: E402
 
 if TYPE_CHECKING:
     from moetray.engine.core import Engine, EngineOptions
@@ -114,7 +114,7 @@ def moe_capacity(spec: str | None, model_dir: Path | None) -> int | None:
         return None
     spec = spec.strip()
     if spec.endswith("%"):
-        from moetray.engine.loader import inspect_checkpoint
+        from moetray.engine.models.checkpoint import inspect_checkpoint
 
         if model_dir is None:
             raise SystemExit("--moe-capacity as a percentage needs --model")
@@ -174,7 +174,7 @@ def make_server(
     """A uvicorn server for the engine's app (call ``.run(sockets=[sock])``)."""
     import uvicorn
 
-    from moetray.engine.server import build_app
+    from moetray.engine.api.app import build_app
 
     app = build_app(engine, credentials, hosts, load_on_startup=load_on_startup)
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, timeout_keep_alive=30)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from moetray.engine.api.security import Credentials, HostPolicy
 from moetray.engine.core import Engine, EngineOptions
-from moetray.engine.security import Credentials, HostPolicy
 from moetray.engine.serve import bind_socket, make_server
 
 ADMIN_TOKEN = "test-admin-token"

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from moetray.engine.experts.hf import key_renamer
 from moetray.engine.experts.store import ExpertGeometry, ExpertStore, ExpertStoreError, StoreLayer
 from moetray.policy.refused import Refused
 
@@ -122,26 +123,6 @@ def build_skeleton(checkpoint_dir: str | Path, dtype: torch.dtype, config=None):
     return model
 
 
-def _key_renamer(model: torch.nn.Module) -> Callable[[str], str]:
-    """checkpoint key → model key, by transformers' renaming rules for this model."""
-    meta_sd = model.state_dict()
-    prefix = getattr(model, "base_model_prefix", None)
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
-    except ImportError:  # pragma: no cover - older transformers: plain names only
-        return lambda key: key
-    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-
-    def rename(key: str) -> str:
-        renamed, _ = rename_source_key(key, renamings, [], prefix, meta_sd)
-        if renamed not in meta_sd and key in meta_sd:
-            return key
-        return renamed
-
-    return rename
-
-
 def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
                             pin: bool, progress: Callable[[str, int, int | None], None] | None = None):
     """Build the model (non-expert weights on ``device``) and the host expert store.
@@ -179,7 +160,7 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
     expert_param_keys = {f"{layer.module_name}.{seg.name}" for layer in store_layers
                          for seg in layer.geometry.segments}
 
-    rename = _key_renamer(model)
+    rename = key_renamer(model)
     files = checkpoint_files(checkpoint_dir)
     entries: list[tuple[Path, str, str]] = []
     for path in files:

@@ -54,15 +54,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moetray.engine.experts.hf import DEFAULT_APPLY_GATE, padded_grouped_output, register_experts_function
 from moetray.engine.experts.slots import LinkThrottle, SlotPool
 from moetray.engine.experts.store import ExpertStore, unpack_row
 from moetray.policy.moe.expert_cache import DEFAULT_POLICY, ExpertCache
 from moetray.policy.moe.expert_slots import ExpertSlots, SlotDeviceError
-
-try:
-    from transformers.integrations.moe import _default_apply_gate as _DEFAULT_APPLY_GATE
-except ImportError:  # pragma: no cover - other transformers versions: always take the general path
-    _DEFAULT_APPLY_GATE = object()
 
 __all__ = [
     "COMPUTE_MODES",
@@ -150,7 +146,7 @@ class ExpertRuntime:
         self._slot_views = self._unpack_slots()
         self._slot_mats = self._gemm_operands()
         self._bank_mats: dict[tuple[int, int], tuple] = {}
-        self._padded_out = _padded_grouped_output(self.device)
+        self._padded_out = padded_grouped_output(self.device)
         first = geo.segments[0].shape  # gate_up (or up) of one expert: [out, in], or [in, out] transposed
         self._proj_width = first[1] if geo.is_transposed else first[0]
         self._row0: dict[torch.device, torch.Tensor] = {}
@@ -387,7 +383,7 @@ class ExpertRuntime:
     def _expert(self, module: torch.nn.Module, w: dict[str, torch.Tensor], current_state: torch.Tensor,
                 routing_weight: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens, in the stock eager implementation's op order."""
-        if self._plain_swiglu and type(module)._apply_gate is _DEFAULT_APPLY_GATE:
+        if self._plain_swiglu and type(module)._apply_gate is DEFAULT_APPLY_GATE:
             # The stock eager loop, verbatim (the common case: Qwen, Mixtral, OLMoE, …).
             gate, up = F.linear(current_state, w["gate_up_proj"]).chunk(2, dim=-1)
             return F.linear(module.act_fn(gate) * up, w["down_proj"]) * routing_weight
@@ -690,18 +686,6 @@ def _gemm_into_autograd(out: torch.Tensor, lo: int, hi: int, states: torch.Tenso
     out[lo:hi] = torch.mm(states[lo:hi], w) if bias is None else torch.mm(states[lo:hi], w) + bias
 
 
-def _padded_grouped_output(device: torch.device) -> bool:
-    """Whether transformers' stock grouped path runs PyTorch's grouped-mm kernel here (whose
-    output rows are padded to 16 bytes) rather than its own fallback (plain rows)."""
-    try:
-        from transformers.integrations.moe import _can_use_grouped_mm
-    except ImportError:  # pragma: no cover - other transformers versions
-        return False
-    probe = torch.empty(1, 1, device=device)
-    return bool(_can_use_grouped_mm(probe, torch.empty(1, 1, 1, device=device),
-                                    torch.ones(1, dtype=torch.int32, device=device)))
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             transposed: bool) -> torch.Tensor:
     if transposed:
@@ -725,10 +709,7 @@ def moetray_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
 
 def register() -> None:
     """Register :func:`moetray_experts_forward` as ``"moetray"`` (idempotent)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
-
-    if ALL_EXPERTS_FUNCTIONS.get(IMPLEMENTATION_NAME) is not moetray_experts_forward:
-        ExpertsInterface.register(IMPLEMENTATION_NAME, moetray_experts_forward)
+    register_experts_function(IMPLEMENTATION_NAME, moetray_experts_forward)
 
 
 def attach(modules: list[torch.nn.Module], runtime: ExpertRuntime) -> None:

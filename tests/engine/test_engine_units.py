@@ -7,9 +7,7 @@ import stat
 
 import pytest
 
-from moetray.engine.budget import ContextCeiling, ContextTooLong, cpu_budget
-from moetray.engine.cb_adapter import Sampling, _DrawProcessor, kv_bytes_per_page, seeded_uniform
-from moetray.engine.security import (
+from moetray.engine.api.security import (
     BindRefused,
     HostPolicy,
     bearer,
@@ -18,6 +16,9 @@ from moetray.engine.security import (
     is_loopback,
     load_credentials,
 )
+from moetray.engine.budget import ContextCeiling, ContextTooLong, cpu_budget
+from moetray.engine.cb import Sampling, kv_bytes_per_page, seeded_uniform
+from moetray.engine.cb.sampling import _DrawProcessor
 from moetray.engine.serve import parse_bytes
 from moetray.policy.wire import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, API_KEY_ENV
 

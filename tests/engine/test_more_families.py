@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moetray.engine.experts import LoaderError, load_offloaded_model
-from moetray.engine.loader import CheckpointError, inspect_checkpoint
+from moetray.engine.models.checkpoint import CheckpointError, inspect_checkpoint
 
 BOTH = ("per_expert", "fused")
 # family → (layouts, tiny config). gpt-oss's save_pretrained writes the fused stacks, so its

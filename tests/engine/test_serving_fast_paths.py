@@ -15,10 +15,10 @@ import threading
 
 import pytest
 import torch
-from test_cb_adapter import EOS, greedy_reference, make_runner, prompt_ids, run_all, wait_until
+from test_cb_runner import EOS, greedy_reference, make_runner, prompt_ids, run_all, wait_until
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from moetray.engine.cb_adapter import Sampling, needs_processors, sampling_kwargs
+from moetray.engine.cb import Sampling, needs_processors, sampling_kwargs
 
 
 @pytest.fixture(scope="module")

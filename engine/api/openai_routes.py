@@ -21,11 +21,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.background import BackgroundTask
 
+from moetray.engine.api.errors import ApiError
 from moetray.engine.budget import MAX_TOKENS_CEILING
-from moetray.engine.cb_adapter import Sampling
+from moetray.engine.cb import Sampling
 from moetray.engine.chat import ChatDelta, TextStream
 from moetray.engine.core import Engine, RequestRecord
-from moetray.engine.errors import ApiError
 from moetray.policy.parser import CallArguments, CallEnd, CallStart
 
 # --- request models ---------------------------------------------------------------------------

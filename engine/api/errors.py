@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from moetray.policy.wire import RETRY_AFTER_S, Retry, error_body, refusal_for
 
-log = logging.getLogger("moetray.engine.errors")
+log = logging.getLogger("moetray.engine.api.errors")
 
 
 class ApiError(Exception):

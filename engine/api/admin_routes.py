@@ -16,8 +16,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from moetray.engine.api.errors import ApiError
 from moetray.engine.core import Engine
-from moetray.engine.errors import ApiError
 from moetray.engine.rebuild import TXN_TIMEOUT_S, run_rebuild
 from moetray.engine.stop import prepare_stop
 from moetray.policy.outbox import FileOutbox

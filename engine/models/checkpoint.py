@@ -20,7 +20,7 @@ import torch
 
 from moetray.policy.refused import Refused
 
-log = logging.getLogger("moetray.engine.loader")
+log = logging.getLogger("moetray.engine.models.checkpoint")
 
 SIDECAR = "moetray.json"
 Progress = Callable[[str, int, int | None], None]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from moetray.policy.wire import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, API_KEY_ENV
 
-log = logging.getLogger("moetray.engine.security")
+log = logging.getLogger("moetray.engine.api.security")
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
 

@@ -1,7 +1,7 @@
 """The continuous-batching adapter on a real tiny MoE: token identity, sampling, cancel, prefix reuse.
 
 Every test drives transformers' own ``ContinuousBatchingManager`` through
-``moetray.engine.cb_adapter.BatchRunner`` (no mocks): the KV pool is the substrate's paged
+``moetray.engine.cb.BatchRunner`` (no mocks): the KV pool is the substrate's paged
 cache, and the radix tests check *which blocks* are reused or evicted (page identity), not
 just how many.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from moetray.engine.cb_adapter import BatchRunner, RadixLedger, RunnerConfig, Sampling, seeded_uniform
+from moetray.engine.cb import BatchRunner, RadixLedger, RunnerConfig, Sampling, seeded_uniform
 
 PAGE = 16
 EOS = 2

@@ -16,9 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moetray.engine.api.errors import exception_response, refusal_response
+from moetray.engine.api.security import Credentials, HostPolicy
 from moetray.engine.core import Engine
-from moetray.engine.errors import exception_response, refusal_response
-from moetray.engine.security import Credentials, HostPolicy
 from moetray.policy.wire import error_body, refusal_for
 
 
@@ -76,9 +76,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def refusal_classes() -> tuple[type[Exception], ...]:
     """Every exception type that carries a refusal ``.kind`` (mapped through ``wire.REFUSALS``)."""
+    from moetray.engine.api.errors import ApiError
     from moetray.engine.budget import ContextTooLong
     from moetray.engine.core import EngineUnavailable
-    from moetray.engine.errors import ApiError
     from moetray.policy.effort import EffortRefused
     from moetray.policy.maintenance import AdmissionClosed, RebuildRefused, StopRefused
     from moetray.policy.outbox import StopFailure
@@ -101,8 +101,8 @@ def build_app(
     engine: Engine, credentials: Credentials, hosts: HostPolicy, *, load_on_startup: bool = True
 ) -> FastAPI:
     """The engine's HTTP application (the model loads on startup unless told otherwise)."""
-    from moetray.engine.admin_api import build_router as admin_router
-    from moetray.engine.openai_api import build_router as openai_router
+    from moetray.engine.api.admin_routes import build_router as admin_router
+    from moetray.engine.api.openai_routes import build_router as openai_router
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,0 +1,44 @@
+"""The continuous-batching seam: every touch of transformers' continuous-batching internals (5.24.x).
+
+moetray plugs into ``transformers.generation.continuous_batching`` through the narrowest
+hooks the substrate offers, one module per concern:
+
+- ``runner`` — :class:`BatchRunner`: a manager sized to a KV pool, its lifecycle (start,
+  pause for an expert-pool resize, stop for a KV re-split), submit / cancel, output routing.
+- ``sampling`` — the sampling stages installed as the manager's logits processors.
+- ``prefix`` — which prefix policy a model gets, and the radix-decided ledger and scheduler.
+- ``kv`` — KV costing from the model geometry, and the lazily zeroed CPU pool.
+
+May import torch, transformers (its internals included: only this package and
+``engine/experts/hf.py`` do) and ``moetray.policy``; never the HTTP layer or the tray.
+The names the rest of the engine uses are re-exported here.
+"""
+
+from moetray.engine.cb.kv import kv_bytes_per_page, kv_overhead_bytes
+from moetray.engine.cb.prefix import (
+    PREFIX_POLICIES,
+    PrefixPolicyRefused,
+    RadixLedger,
+    RadixScheduler,
+    choose_prefix_policy,
+)
+from moetray.engine.cb.runner import BatchRunner, KVStats, LiveRequest, RunnerConfig
+from moetray.engine.cb.sampling import Sampling, needs_processors, sampling_kwargs, seeded_uniform
+
+__all__ = [
+    "PREFIX_POLICIES",
+    "PrefixPolicyRefused",
+    "choose_prefix_policy",
+    "BatchRunner",
+    "KVStats",
+    "LiveRequest",
+    "RadixLedger",
+    "RadixScheduler",
+    "RunnerConfig",
+    "Sampling",
+    "kv_bytes_per_page",
+    "kv_overhead_bytes",
+    "needs_processors",
+    "sampling_kwargs",
+    "seeded_uniform",
+]

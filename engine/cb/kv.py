@@ -1,0 +1,105 @@
+"""KV costing: bytes per page and the substrate's fixed overhead, and a lazily zeroed CPU pool.
+
+``pool_budget`` prices KV pages with these numbers before any pool exists, so they follow the
+substrate's own sizing rules (``PagedAttentionMemoryHandler``) from the model geometry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+def kv_bytes_per_page(config, *, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of KV one page holds across every layer (keys and values), from the model geometry."""
+    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+
+    text = config.get_text_config()
+    return (
+        2
+        * find_num_key_value_heads(text)
+        * find_head_dim(text)
+        * torch.empty((), dtype=dtype).element_size()
+        * page_size
+        * text.num_hidden_layers
+    )
+
+
+def kv_overhead_bytes(
+    config, *, page_size: int, dtype: torch.dtype, max_batch_tokens: int
+) -> tuple[int, int]:
+    """(per-page, fixed) bytes the substrate spends beside the KV itself, by its own sizing rules.
+
+    Mirrors ``PagedAttentionMemoryHandler`` for an eager/SDPA model with one full-attention
+    group, no async double-buffering and no decode fast path (how :class:`BatchRunner`
+    configures it). Per page: the attention-mask columns ``[M, page]``, the KV read back at
+    the attention peak and the read indices. Fixed: two trash pages, the per-batch-token
+    activation peak and IO rows, and the mask's ``[M, M]`` square.
+    """
+    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+
+    text = config.get_text_config()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    head_dim = find_head_dim(text)
+    heads = text.num_attention_heads
+    kv_heads = find_num_key_value_heads(text)
+    kv_heads_at_peak = 2 * heads + kv_heads  # eager/SDPA repeat K and V to every query head
+    m = max_batch_tokens
+    per_cache_token = kv_heads_at_peak * head_dim * itemsize + 8  # read-back KV + int64 read index
+    per_page = page_size * per_cache_token + m * page_size * itemsize  # + mask columns
+    attention_peak = itemsize * (
+        text.hidden_size + heads * head_dim + 2 * kv_heads * head_dim + kv_heads_at_peak * head_dim
+    )
+    io_bytes = 7 * 4 + 4 + 8 + 8
+    fixed = (
+        2 * kv_bytes_per_page(config, page_size=page_size, dtype=dtype)
+        + m * (attention_peak + io_bytes)
+        + m * m * itemsize
+    )
+    return per_page, fixed
+
+
+@contextmanager
+def lazily_zeroed_cpu_cache(device: torch.device) -> Iterator[None]:
+    """While the substrate builds its paged cache on the CPU, back it with anonymous memory.
+
+    ``PagedAttentionCache`` allocates its one flat cache tensor with ``torch.zeros``, which on
+    the CPU writes every byte up front (a 1 GiB pool: most of a second on a busy machine,
+    which is most of a live KV re-split). An anonymous mapping is zero by definition and
+    the kernel materialises each page on first touch, so the pool is ready at once and the
+    cost moves to the steps that first use each page. Only the cache module's ``torch.zeros``
+    for the CPU is affected, only while the cache is being built (no other batch loop runs
+    then), and the real module is restored on exit. Off the CPU (CUDA memsets are fast) this
+    does nothing.
+    """
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    import mmap
+
+    from transformers.generation.continuous_batching import cache as cache_module
+
+    real = cache_module.torch
+
+    class _ZeroMappedTorch:
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+        @staticmethod
+        def zeros(size, *, dtype, device):
+            if (
+                dtype is real.uint8
+                and real.device(device).type == "cpu"
+                and isinstance(size, int)
+                and size > 0
+            ):
+                return real.frombuffer(mmap.mmap(-1, size), dtype=real.uint8)
+            return real.zeros(size, dtype=dtype, device=device)
+
+    cache_module.torch = _ZeroMappedTorch()
+    try:
+        yield
+    finally:
+        cache_module.torch = real

@@ -1,0 +1,403 @@
+"""The batch runner: one continuous-batching manager over the model (the KV pool), its lifecycle and outputs.
+
+moetray plugs into ``transformers.generation.continuous_batching`` rather than shadowing
+it: the substrate's ``ContinuousBatchingManager`` runs the generation loop, its scheduler
+interleaves prefill and decode, and its ``PagedAttentionCache`` is the KV pool whose block
+count ``pool_budget`` sizes. :class:`BatchRunner` creates a manager with a given block count
+and page size, adds / streams / cancels requests, pauses the loop (expert-pool resize) and
+stops it (KV-pool resize); the sampling stages (``sampling``) and the radix ledger
+(``prefix``) are installed into it here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.generation.continuous_batching.cache_allocators.cache_allocator import BlockLedger
+from transformers.generation.continuous_batching.continuous_api import OutputRouter
+from transformers.generation.continuous_batching.requests import GenerationOutput
+
+from moetray.engine.cb.kv import lazily_zeroed_cpu_cache
+from moetray.engine.cb.prefix import (
+    PREFIX_POLICIES,
+    RADIX_SCHEDULER,
+    RadixLedger,
+    SchedulerHooks,
+    choose_prefix_policy,
+)
+from moetray.engine.cb.sampling import Sampling, SamplingProcessors, sampling_kwargs
+
+log = logging.getLogger("moetray.engine.cb")
+
+# --- the runner -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """The KV pool in pages: ``used`` excludes evictable (cached, unreferenced) prefix pages."""
+
+    total: int
+    used: int
+    evictable: int
+    free: int
+    page_size: int
+
+
+@dataclass(frozen=True)
+class LiveRequest:
+    request_id: str
+    state: str  # "queued" | "prefill" | "decode"
+    generated: int
+    prompt_tokens: int
+
+
+@dataclass
+class RunnerConfig:
+    kv_pages: int
+    page_size: int = 16
+    max_batch_tokens: int = 256
+    max_requests_per_batch: int = 32
+    prefix_policy: str = "radix"
+    eos_token_ids: tuple[int, ...] = ()
+    safety_margin: float = 0.15
+    anchor_token: int | None = None  # the single-token tool-call opener (policy.anchor)
+    anchor_max_held_tokens: int | None = None  # None: half the pool's tokens
+    step_delay_s: float = 0.0  # test hook (see SchedulerHooks.before_step)
+
+    def __post_init__(self) -> None:
+        if self.prefix_policy not in PREFIX_POLICIES:
+            raise ValueError(f"prefix_policy must be one of {PREFIX_POLICIES}, got {self.prefix_policy!r}")
+
+
+Handler = Callable[[GenerationOutput], None]
+
+
+class _TappingRouter(OutputRouter):
+    """The substrate's output router, plus taps that keep intermediate outputs off the event loop.
+
+    Stock routing wakes the server's event loop (``call_soon_threadsafe``) after every step
+    for every streaming request, and the woken loop competes with the generation thread for
+    the interpreter and the cores while the next step runs. A request registered with a
+    *tap* (a consumer that only needs the whole reply, plus its accounting as it happens)
+    has each intermediate output — not finished, no error — handed to the tap right here on
+    the generation thread, under the router's lock, so unregistering under that lock
+    (:meth:`BatchRunner.cancel`) means no tap runs afterwards. Its last output (finished or
+    failed) still goes to its handler on the loop, as every output of an untapped request
+    does. ``tapped_outputs`` / ``loop_outputs`` count the two routes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taps: dict[str, Handler] = {}
+        self.tapped_outputs = 0
+        self.loop_outputs = 0
+
+    def deliver_batch(self, outputs: list[GenerationOutput]) -> None:
+        to_loop = []
+        with self._lock:
+            for output in outputs:
+                tap = self.taps.get(output.request_id)
+                if tap is not None and output.error is None and not output.is_finished():
+                    tap(output)
+                    self.tapped_outputs += 1
+                else:
+                    to_loop.append(output)
+        if to_loop:
+            self.loop_outputs += len(to_loop)
+            super().deliver_batch(to_loop)
+
+
+
+class BatchRunner:
+    """One continuous-batching manager over a model, sized to ``kv_pages`` pages.
+
+    Created stopped; :meth:`start` builds the KV pool (the substrate's paged cache) and the
+    generation thread. A new KV size means :meth:`stop` and a new runner; an expert-pool
+    resize happens inside :meth:`paused`. Thread model: ``submit``/``cancel`` run on the
+    server's event loop; outputs come back on that loop through the substrate's handlers.
+    """
+
+    def __init__(self, model, config: RunnerConfig) -> None:
+        self.model = model
+        self.config = config
+        self.manager: ContinuousBatchingManager | None = None
+        self._cached_tokens: dict[str, int] = {}
+        self._handlers: dict[str, Handler] = {}
+        self._lock = threading.Lock()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Allocate the KV pool and start the generation thread. Raises on allocation failure."""
+        cfg = self.config
+        eos = list(cfg.eos_token_ids) or [-1]
+        gen = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=256,
+            eos_token_id=eos,
+            pad_token_id=self.model.config.get_text_config().pad_token_id or 0,
+        )
+        cb = ContinuousBatchingConfig(
+            page_size=cfg.page_size,
+            num_blocks=cfg.kv_pages,
+            max_batch_tokens=cfg.max_batch_tokens,
+            max_requests_per_batch=cfg.max_requests_per_batch,
+            max_blocks_per_request=0,  # no flash decode fast path: index-based reads work on every device
+            allow_block_sharing=cfg.prefix_policy != "off",
+            use_async_batching=False,
+            use_cuda_graph=False,  # expert offloading makes data-dependent copies; graphs cannot hold them
+            scheduler_type=RADIX_SCHEDULER,  # stock behaviour unless a RadixLedger is installed
+            safety_margin=cfg.safety_margin,
+            auto_switch_to_flash=False,
+        )
+        manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        manager.logit_processor = SamplingProcessors()
+        manager.output_router = _TappingRouter()  # before warmup: the batch processor takes it there
+        try:
+            with lazily_zeroed_cpu_cache(self.model.device):
+                manager.warmup()  # builds the batch processor (and so the KV pool) on this thread
+            processor = manager.batch_processor
+            cache = processor.cache
+            if choose_prefix_policy(cfg.prefix_policy, self.model.config) == "radix":
+                allocator = cache.cache_allocators["full_attention"]
+                held = cfg.anchor_max_held_tokens
+                if held is None:
+                    held = cfg.kv_pages * cfg.page_size // 2
+                allocator.ledger = RadixLedger(cfg.page_size, anchor_max_held_tokens=held)
+            processor.scheduler.hooks = SchedulerHooks(self)
+            manager.start()
+        except BaseException:
+            manager.batch_processor = None
+            raise
+        self.manager = manager
+        log.info(
+            "KV pool ready: %d pages of %d tokens (%s prefix policy)",
+            self.kv_pages,
+            cfg.page_size,
+            cfg.prefix_policy,
+        )
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the generation thread and release the KV pool. Idempotent."""
+        manager, self.manager = self.manager, None
+        if manager is None:
+            return
+        if manager.is_running():
+            manager.stop(block=True, timeout=timeout)
+        manager.batch_processor = None
+        manager.destroy()
+
+    @property
+    def running(self) -> bool:
+        return self.manager is not None and self.manager.is_running()
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        return None if self.manager is None else self.manager.background_thread_status.fatal_error
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the generation loop still (between steps) so the model may change in place."""
+        if self.manager is None or not self.manager.is_running():
+            yield
+            return
+        with self.manager.pause():
+            yield
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        input_ids: list[int],
+        *,
+        max_new_tokens: int,
+        sampling: Sampling,
+        on_output: Handler,
+        on_progress: Handler | None = None,
+    ) -> None:
+        """Queue a request; ``on_output`` runs on the calling event loop for every step's output.
+
+        With ``on_progress``, only the last output (finished or failed) reaches ``on_output``;
+        every earlier one goes to ``on_progress`` on the generation thread instead (see
+        :class:`_TappingRouter`), so it must be quick, thread-safe and must not raise. Must be
+        called from a coroutine on the server's loop. Raises ``RuntimeError`` when the
+        generation thread cannot take requests.
+        """
+        manager = self._require()
+        eos = self.config.eos_token_ids[0] if self.config.eos_token_ids else None
+        kwargs = sampling_kwargs(sampling, prompt_len=len(input_ids), eos=eos)
+
+        def deliver(output: GenerationOutput) -> None:
+            if output.is_finished():
+                self._handlers.pop(request_id, None)
+                self._drop_tap(request_id)
+            on_output(output)
+
+        self._handlers[request_id] = on_output
+        manager.register_result_handler(request_id, deliver)
+        if on_progress is not None:
+            router = manager.output_router
+            with router._lock:  # noqa: SLF001 - the lock every router table change takes
+                router.taps[request_id] = on_progress
+        added = manager.add_request(
+            list(input_ids),
+            request_id=request_id,
+            max_new_tokens=max_new_tokens,
+            streaming=True,
+            eos_token_id=-1 if sampling.ignore_eos else (list(self.config.eos_token_ids) or -1),
+            **kwargs,
+        )
+        if added is None:
+            self._drop_handler(request_id)
+            raise RuntimeError("the generation loop is not accepting requests")
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request at its next step boundary (prefill included); its pages are freed there.
+
+        Returns whether the request was known. The cancelled request produces no further
+        output; the caller ends its own stream.
+        """
+        known = request_id in self._handlers
+        self._drop_handler(request_id)
+        if self.manager is not None:
+            self.manager.cancel_request(request_id)
+        return known
+
+    def _drop_handler(self, request_id: str) -> None:
+        self._handlers.pop(request_id, None)
+        manager = self.manager
+        if manager is not None:
+            with manager.output_router._lock:  # noqa: SLF001 - the router has no public unregister
+                manager.output_router.result_handlers.pop(request_id, None)
+                manager.output_router.taps.pop(request_id, None)
+
+    def _drop_tap(self, request_id: str) -> None:
+        manager = self.manager
+        if manager is not None:
+            with manager.output_router._lock:  # noqa: SLF001 - the router has no public unregister
+                manager.output_router.taps.pop(request_id, None)
+
+    def routing_counts(self) -> tuple[int, int] | None:
+        """(outputs handed to the event loop, outputs tapped on the generation thread); None when stopped."""
+        manager = self.manager
+        if manager is None:
+            return None
+        router = manager.output_router
+        return router.loop_outputs, router.tapped_outputs
+
+    def sampling_steps(self) -> tuple[int, int] | None:
+        """(steps that ran our logits processors, steps that skipped them); None when stopped."""
+        manager = self.manager
+        if manager is None:
+            return None
+        plist = manager.logit_processor
+        return plist.steps_processed, plist.steps_skipped
+
+    def cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens the prefix cache served for this request (0 before it was scheduled)."""
+        return self._cached_tokens.get(request_id, 0)
+
+    def forget(self, request_id: str) -> None:
+        self._cached_tokens.pop(request_id, None)
+
+    def _require(self) -> ContinuousBatchingManager:
+        if self.manager is None or not self.manager.is_running():
+            raise RuntimeError("the batch runner is not running")
+        return self.manager
+
+    # -- introspection ----------------------------------------------------------------------------
+
+    @property
+    def kv_pages(self) -> int:
+        processor = self.manager.batch_processor if self.manager else None
+        return processor.cache.num_blocks if processor is not None else self.config.kv_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def ledger(self) -> BlockLedger | None:
+        processor = self.manager.batch_processor if self.manager else None
+        if processor is None:
+            return None
+        return next(iter(processor.cache.cache_allocators.values())).ledger
+
+    def kv_stats(self) -> KVStats | None:
+        processor = self.manager.batch_processor if self.manager else None
+        if processor is None:
+            return None
+        cache = processor.cache
+        allocator = next(iter(cache.cache_allocators.values()))
+        free = (
+            cache.pool.count_free_blocks(allocator.index)
+            + cache.pool.num_free_sectors * allocator.blocks_per_sector
+        )
+        evictable = len(allocator.ledger.cached_blocks)
+        total = cache.num_blocks
+        return KVStats(
+            total=total,
+            used=total - free - evictable,
+            evictable=evictable,
+            free=free,
+            page_size=self.config.page_size,
+        )
+
+    def live_requests(self) -> list[LiveRequest]:
+        processor = self.manager.batch_processor if self.manager else None
+        if processor is None:
+            return []
+        scheduler = processor.scheduler
+        out = []
+        for state in list(scheduler.active_requests.values()):
+            phase = "decode" if state.generated_tokens else "prefill"
+            out.append(
+                LiveRequest(state.request_id, phase, len(state.generated_tokens), len(state.initial_tokens))
+            )
+        for state in list(scheduler.waiting_requests.values()):
+            out.append(
+                LiveRequest(
+                    state.request_id, "queued", len(state.generated_tokens), len(state.initial_tokens)
+                )
+            )
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless the pool's books balance and the radix tree agrees.
+
+        free + cached + referenced pages == total, no page both cached and referenced, every
+        cached page mirrored in the tree, and no more tree pages evictable than the ledger
+        holds cached. Runs with the generation loop paused, so it sees one step boundary.
+        """
+        with self.paused():
+            processor = self.manager.batch_processor if self.manager else None
+            if processor is None:
+                return
+            allocator = next(iter(processor.cache.cache_allocators.values()))
+            stats = self.kv_stats()
+            owned = {b for table in allocator.block_table.values() for b in table}
+            cached = set(allocator.ledger.cached_blocks)
+            assert not (owned & cached), f"blocks both owned and cached: {sorted(owned & cached)}"
+            assert stats.free + len(cached) + len(owned) == stats.total, (
+                f"pool accounting: free {stats.free} + cached {len(cached)} + owned {len(owned)} "
+                f"!= total {stats.total}"
+            )
+            ledger = allocator.ledger
+            if isinstance(ledger, RadixLedger):
+                ledger.radix.check_integrity()
+                ledger.retention.check_integrity()
+                assert cached <= ledger.tree_blocks, (
+                    f"cached blocks outside the tree: {sorted(cached - ledger.tree_blocks)}"
+                )
+                assert ledger.evictable_blocks <= len(cached), (
+                    f"tree says {ledger.evictable_blocks} pages evictable, ledger holds {len(cached)} cached"
+                )
+

@@ -1,0 +1,55 @@
+"""The experts-interface seam: every touch of transformers internals the experts package makes.
+
+transformers 5 keeps a MoE layer's experts behind a pluggable interface
+(``transformers.integrations.moe``); moetray registers its runtime there, recognises the
+stock gate so it may take its fast path, asks whether the stock grouped path pads its output,
+and renames checkpoint keys by transformers' own conversion rules while it fills the store.
+Only this module and ``engine/cb/`` import transformers internals (an import-linter contract),
+so a new transformers minor version is checked in two places.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming, rename_source_key
+from transformers.integrations.moe import (
+    ALL_EXPERTS_FUNCTIONS,
+    ExpertsInterface,
+    _can_use_grouped_mm,
+    _default_apply_gate,
+)
+
+DEFAULT_APPLY_GATE = _default_apply_gate
+"""The stock ``_apply_gate`` (silu(gate) * up): a module that keeps it may take the fused path."""
+
+
+def register_experts_function(name: str, forward: Callable[..., torch.Tensor]) -> None:
+    """Register ``forward`` in the experts interface under ``name`` (idempotent)."""
+    if ALL_EXPERTS_FUNCTIONS.get(name) is not forward:
+        ExpertsInterface.register(name, forward)
+
+
+def padded_grouped_output(device: torch.device) -> bool:
+    """Whether transformers' stock grouped path runs PyTorch's grouped-mm kernel here (whose
+    output rows are padded to 16 bytes) rather than its own fallback (plain rows)."""
+    probe = torch.empty(1, 1, device=device)
+    return bool(_can_use_grouped_mm(probe, torch.empty(1, 1, 1, device=device),
+                                    torch.ones(1, dtype=torch.int32, device=device)))
+
+
+def key_renamer(model: torch.nn.Module) -> Callable[[str], str]:
+    """checkpoint key → model key, by transformers' renaming rules for this model."""
+    meta_sd = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+
+    def rename(key: str) -> str:
+        renamed, _ = rename_source_key(key, renamings, [], prefix, meta_sd)
+        if renamed not in meta_sd and key in meta_sd:
+            return key
+        return renamed
+
+    return rename
