@@ -34,10 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ENGINE_SUBCOMMANDS:
         module = importlib.import_module(ENGINE_SUBCOMMANDS[argv[0]])
         return int(module.main(argv[1:]) or 0)
-    if not has_display(os.environ, sys.platform) and not {"-h", "--help"} & set(argv):
+    from moetray.app.main import parse_args  # no Qt: argparse only
+
+    args = parse_args(argv)  # an unknown argument or subcommand exits 2 here, never serves
+    if not has_display(os.environ, sys.platform):
         # Qt would abort with a platform-plugin error. One click still means "serve the
         # default model": do that headless, exactly as `moetray serve` would.
-        if "--attach" in argv:
+        if args.attach:
             print("moetray: no display (DISPLAY and WAYLAND_DISPLAY are unset), so there is no "
                   "dashboard to attach; use `curl` on the engine's API instead.", file=sys.stderr)
             return 2

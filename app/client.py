@@ -181,6 +181,19 @@ class EngineClient:
                    if v is not None}
         return await self._call("rebuild", json_body=payload, timeout_s=timeout_s, accept_error=True)
 
+    async def rebuild_stop_running(self) -> dict[str, Any]:
+        """``POST /admin/cache/rebuild/stop-running``: stop the requests a waiting re-split
+        waits for, so it applies now ("Stop them and apply")."""
+        return (await self._call("rebuild_stop_running"))[1] or {}
+
+    async def rebuild_cancel(self) -> dict[str, Any]:
+        """``POST /admin/cache/rebuild/cancel``: a re-split still waiting gives up; nothing changes."""
+        return (await self._call("rebuild_cancel"))[1] or {}
+
+    async def request_history(self) -> dict[str, Any]:
+        """``GET /admin/requests/history``: the last finished requests (``wire.FinishedRequest`` rows)."""
+        return (await self._call("request_history"))[1] or {}
+
     async def requests(self) -> list[wire.ActiveRequest]:
         """``GET /admin/requests``: the active requests."""
         body = (await self._call("requests"))[1]

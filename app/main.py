@@ -49,10 +49,12 @@ class PrepareRefused(Exception):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    from moetray.app.cli import ENGINE_SUBCOMMANDS
+
     parser = argparse.ArgumentParser(
         prog="moetray",
-        description="Tray app serving Mixture-of-Experts models locally. "
-                    "Subcommands: moetray serve | model | bench (run without Qt).")
+        description="Tray app serving Mixture-of-Experts models locally. Subcommands (run without "
+                    f"Qt): moetray {' | '.join(ENGINE_SUBCOMMANDS)}. Unknown arguments are refused.")
     parser.add_argument("--hidden", action="store_true",
                         help="start in the tray without opening the dashboard")
     parser.add_argument("--attach", metavar="URL",

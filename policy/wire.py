@@ -20,6 +20,8 @@ ADMIN_TOKEN_FILE_ENV = "MOETRAY_ADMIN_TOKEN_FILE"
 """Environment variable naming a 0600 file that holds the admin token (alternative hand-over)."""
 API_KEY_ENV = "MOETRAY_API_KEY"
 """Environment variable holding the key `/v1/*` requires (mandatory for a non-loopback bind)."""
+PARENT_PID_ENV = "MOETRAY_PARENT_PID"
+"""Environment variable naming the tray that started the engine: the engine ends when it dies."""
 EVENTS_INTERVAL_S = 1.0
 """Cadence of `GET /admin/events`: one snapshot per interval."""
 SNAPSHOT_EVENT = "status"
@@ -41,7 +43,10 @@ ROUTES: dict[str, Route] = {
     "status": Route("GET", "/admin/status", "admin"),
     "events": Route("GET", "/admin/events", "admin"),
     "rebuild": Route("POST", "/admin/cache/rebuild", "admin"),
+    "rebuild_stop_running": Route("POST", "/admin/cache/rebuild/stop-running", "admin"),
+    "rebuild_cancel": Route("POST", "/admin/cache/rebuild/cancel", "admin"),
     "requests": Route("GET", "/admin/requests", "admin"),
+    "request_history": Route("GET", "/admin/requests/history", "admin"),
     "cancel": Route("POST", "/admin/requests/{request_id}/cancel", "admin"),
     "prepare_stop": Route("POST", "/admin/prepare-stop", "admin"),
 }

@@ -1,11 +1,45 @@
-"""Small widgets the panels share: a titled figure and a coloured pill."""
+"""Small widgets the panels share: a titled figure, a coloured pill, an eliding label."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtCore import QSize, Qt
+from PySide6.QtGui import QPainter
+from PySide6.QtWidgets import QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from moetray.ui.format import DASH
+from moetray.ui.theme import mute
+
+
+class ElidedLabel(QLabel):
+    """One line of text that shrinks with its window: cut with "…", the whole text in the tooltip.
+
+    Its minimum width is small, so a long model name never widens (or resizes) the window.
+    """
+
+    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.setText(text)
+
+    def setText(self, text: str) -> None:  # noqa: N802 - Qt override
+        super().setText(text)
+        self.setToolTip(text)
+        self.update()
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt override
+        return QSize(self.fontMetrics().horizontalAdvance("…") * 4, super().minimumSizeHint().height())
+
+    @property
+    def shown_text(self) -> str:
+        """The text as drawn at the current width."""
+        return self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, self.width())
+
+    def paintEvent(self, event) -> None:  # noqa: N802 - Qt override
+        painter = QPainter(self)
+        painter.setPen(self.palette().color(self.foregroundRole()))
+        flags = int(self.alignment()) | int(Qt.AlignmentFlag.AlignVCenter)
+        painter.drawText(self.rect(), flags, self.shown_text)
+        painter.end()
 
 
 class Stat(QWidget):
@@ -16,8 +50,7 @@ class Stat(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 4, 6, 4)
         layout.setSpacing(0)
-        self._caption = QLabel(caption)
-        self._caption.setStyleSheet("color: #7f8c8d; font-size: 8pt;")
+        self._caption = mute(QLabel(caption), small=True)
         self._value = QLabel(DASH)
         self._value.setStyleSheet("font-size: 14pt; font-weight: 600;")
         self._value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)

@@ -3,6 +3,10 @@
 It draws the app's :class:`~moetray.ui.dashboard_model.DashboardModel` and emits intents;
 it never calls the engine. Closing it emits ``closed``: the app decides whether that
 hides to the tray or, with no tray, quits (the "last window" exit path).
+
+It explains itself: every control has a tooltip and is reached with Tab; long titles are
+cut with "…" (the whole text in their tooltip), so the window stays at most
+:data:`MAX_MIN_WIDTH` pixels wide at its narrowest and never resizes itself.
 """
 
 from __future__ import annotations
@@ -10,22 +14,20 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QCloseEvent
 from PySide6.QtWidgets import (
-    QCheckBox,
-    QFormLayout,
-    QGroupBox,
     QHBoxLayout,
     QLabel,
     QMainWindow,
     QMenu,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QTabWidget,
     QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
-from moetray.ui.common import Pill
+from moetray.ui.common import ElidedLabel, Pill
 from moetray.ui.dashboard_model import DashboardModel
 from moetray.ui.experts_view import ExpertsView
 from moetray.ui.format import DASH, fmt_age
@@ -34,10 +36,22 @@ from moetray.ui.logs_view import LogsView
 from moetray.ui.memory_view import MemoryView
 from moetray.ui.pools_view import PoolsView
 from moetray.ui.requests_view import RequestsView
+from moetray.ui.theme import mute
 from moetray.ui.throughput_view import ThroughputView
 from moetray.ui.viewmodels import EngineModel, EngineState, serving_action
 
 TABS = ("Memory", "Experts", "Throughput", "Pools", "Requests", "Logs", "Settings")
+TAB_TIPS = {
+    "Memory": "Device memory (engine and others) and the memory of the engine and tray processes",
+    "Experts": "Which experts are in device memory, how often they hit, and what misses cost",
+    "Throughput": "Tokens per second, time to first token, queue and totals",
+    "Pools": "Re-split device memory between the expert cache and the KV cache, live",
+    "Requests": "Running requests (with Stop) and the last finished ones",
+    "Logs": "The engine's output",
+    "Settings": "Model, address, port, context, threads, start-up and theme",
+}
+MAX_MIN_WIDTH = 900
+"""The dashboard's minimum width may not exceed this many pixels (laptops, tiled windows)."""
 
 
 class Header(QWidget):
@@ -56,32 +70,41 @@ class Header(QWidget):
         icon = QLabel()
         icon.setPixmap(app_icon().pixmap(32, 32))
         row.addWidget(icon)
-        self.title = QLabel(DASH)
-        self.title.setStyleSheet("font-size: 13pt; font-weight: 600;")
-        self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.title = ElidedLabel(DASH)
+        font = self.title.font()
+        font.setPointSizeF(font.pointSizeF() + 3)
+        font.setBold(True)
+        self.title.setFont(font)
         row.addWidget(self.title, 1)
         self.pill = Pill()
+        self.pill.setToolTip("What the engine is doing now")
         row.addWidget(self.pill)
         self.start_stop = QPushButton("Start serving")
         self.start_stop.clicked.connect(self.start_stop_clicked)
         self.model_button = QToolButton()
         self.model_button.setText("Model")
+        self.model_button.setToolTip("Choose the model to serve (the local models found on disk)")
+        self.model_button.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
         self.model_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self.copy_url = QPushButton("Copy API URL")
         self.copy_url.clicked.connect(self.copy_url_clicked)
         self.quit = QPushButton("Quit")
+        self.quit.setToolTip("Stop the engine (after its stop receipt) and close moetray")
         self.quit.clicked.connect(self.quit_clicked)
         for w in (self.start_stop, self.model_button, self.copy_url, self.quit):
             row.addWidget(w)
         outer.addLayout(row)
-        self.subtitle = QLabel(DASH)
-        self.subtitle.setStyleSheet("color: #566573;")
-        self.subtitle.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.subtitle.setWordWrap(True)
+        self.subtitle = mute(ElidedLabel(DASH))
         outer.addWidget(self.subtitle)
         self.detail = QLabel()
         self.detail.setWordWrap(True)
+        self.detail.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.detail.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         outer.addWidget(self.detail)
+        self.crashes = mute(QLabel(), small=True)
+        self.crashes.setWordWrap(True)
+        self.crashes.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        outer.addWidget(self.crashes)
         self.progress = QProgressBar()
         self.progress.setMaximumHeight(14)
         self.progress.setTextVisible(True)
@@ -97,8 +120,13 @@ class Header(QWidget):
         label, enabled, why = serving_action(m.state, m.attached)
         self.start_stop.setText(label)
         self.start_stop.setEnabled(enabled)
-        self.start_stop.setToolTip(why or "")
+        self.start_stop.setToolTip(why or {"Start serving": "Start the engine with the chosen model",
+                                           "Restart engine": "Start the engine again after it failed",
+                                           "Stop serving": "Stop the engine and free its memory"}.get(
+                                               label, label))
         self.copy_url.setEnabled(m.api_url is not None)
+        self.copy_url.setToolTip(f"Copy {m.api_url} for an OpenAI client" if m.api_url
+                                 else "No engine is serving, so there is no API URL")
         parts = []
         if m.api_url:
             parts.append(f"API {m.api_url}" + (" (attached)" if m.attached else ""))
@@ -115,9 +143,13 @@ class Header(QWidget):
         self.detail.setText(m.detail or "")
         self.detail.setVisible(bool(m.detail))
         failed = m.state == EngineState.FAILED
-        style = "color: #c0392b; font-weight: 600;" if failed else "color: #566573;"
+        style = "color: #da4453; font-weight: 600;" if failed else ""
         if self.detail.styleSheet() != style:
             self.detail.setStyleSheet(style)
+        if m.crash_count:
+            self.crashes.setText(f"Crashes in the last 10 minutes: {m.crash_count} (restarted up to 3 times)"
+                                 + (f" — last: {m.last_crash}" if m.last_crash else ""))
+        self.crashes.setVisible(bool(m.crash_count))
         load = m.load if m.state == EngineState.LOADING else None
         self.progress.setVisible(load is not None)
         if load is not None:
@@ -132,33 +164,30 @@ class Header(QWidget):
 
 
 class SettingsView(QWidget):
-    autostart_toggled = Signal(bool)
-    serve_on_start_toggled = Signal(bool)
+    """The Settings tab: what is set now, the Settings… button, and where the files are."""
+
+    settings_clicked = Signal()
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         layout = QVBoxLayout(self)
-        box = QGroupBox("Start-up")
-        form = QFormLayout(box)
-        self.autostart = QCheckBox("Start moetray at login (hidden in the tray)")
-        self.autostart.toggled.connect(self.autostart_toggled)
-        self.serve_on_start = QCheckBox("Start serving the last model when moetray starts")
-        self.serve_on_start.toggled.connect(self.serve_on_start_toggled)
-        form.addRow(self.autostart)
-        form.addRow(self.serve_on_start)
-        layout.addWidget(box)
-        self.paths = QLabel()
-        self.paths.setStyleSheet("color: #7f8c8d;")
+        self.summary = QLabel(DASH)
+        self.summary.setWordWrap(True)
+        self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        layout.addWidget(self.summary)
+        self.open_button = QPushButton("Settings…")
+        self.open_button.setToolTip("Model, address, port, context, threads, start-up and theme")
+        self.open_button.clicked.connect(self.settings_clicked)
+        layout.addWidget(self.open_button, 0, Qt.AlignmentFlag.AlignLeft)
+        self.paths = mute(QLabel())
         self.paths.setWordWrap(True)
+        self.paths.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.paths.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         layout.addWidget(self.paths)
         layout.addStretch(1)
 
-    def set_values(self, *, autostart: bool, serve_on_start: bool, paths: str = "") -> None:
-        for box, value in ((self.autostart, autostart), (self.serve_on_start, serve_on_start)):
-            box.blockSignals(True)
-            box.setChecked(value)
-            box.blockSignals(False)
+    def set_values(self, summary: str, paths: str = "") -> None:
+        self.summary.setText(summary)
         self.paths.setText(paths)
 
 
@@ -170,7 +199,7 @@ class DashboardWindow(QMainWindow):
         self.model = model
         self.setWindowTitle("moetray")
         self.setWindowIcon(app_icon())
-        self.resize(1000, 720)
+        self.resize(MAX_MIN_WIDTH, 720)
         central = QWidget()
         layout = QVBoxLayout(central)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -182,12 +211,13 @@ class DashboardWindow(QMainWindow):
         self.experts = ExpertsView(model.experts)
         self.throughput = ThroughputView(model.throughput)
         self.pools = PoolsView(model.pools)
-        self.requests = RequestsView(model.requests)
+        self.requests = RequestsView(model.requests, model.history)
         self.logs = LogsView(model.logs)
         self.settings = SettingsView()
         for name, view in zip(TABS, (self.memory, self.experts, self.throughput, self.pools,
                                      self.requests, self.logs, self.settings), strict=True):
-            self.tabs.addTab(view, name)
+            index = self.tabs.addTab(view, name)
+            self.tabs.setTabToolTip(index, TAB_TIPS[name])
         layout.addWidget(self.tabs, 1)
         self.setCentralWidget(central)
 

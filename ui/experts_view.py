@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from PySide6.QtWidgets import QGroupBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGroupBox, QHBoxLayout, QVBoxLayout, QWidget
 
 from moetray.ui.charts import LayerBars, ResidencyHeatmap, RollingChart
 from moetray.ui.common import LazyView, StatGrid
@@ -20,15 +20,14 @@ class ExpertsView(LazyView):
                                "Backend"], columns=4)
         layout.addWidget(self.stats)
 
-        heat_box = QGroupBox("Residency: layers × experts (grey: not resident; warm: used recently)")
+        heat_box = QGroupBox("Residency: layers × experts (grey: not in device memory)")
         hlayout = QVBoxLayout(heat_box)
         self.heatmap = ResidencyHeatmap()
-        self.empty_note = QLabel("The engine has not reported expert residency yet.")
         hlayout.addWidget(self.heatmap)
-        hlayout.addWidget(self.empty_note)
         layout.addWidget(heat_box, 2)
 
         row = QHBoxLayout()
+        # Each point covers the second before it; a second with no tokens routed is a gap.
         self.rate_chart = RollingChart("Hit rate over time (thin: per layer)", "hit rate", ["total"],
                                        y_range=(0, 1), widths=[2.5])
         self.layer_bars = LayerBars("Hit rate per layer (window)")
@@ -44,9 +43,7 @@ class ExpertsView(LazyView):
         self._update_charts()
 
     def _update_heatmap(self) -> None:
-        layers, experts = self.model.shape
         self.heatmap.set_cells(self.model.heat())
-        self.empty_note.setVisible(layers == 0)
 
     def _update_stats(self) -> None:
         m = self.model

@@ -57,3 +57,14 @@ def fmt_age(seconds: float | None) -> str:
         return f"{minutes} min {secs:02d} s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes:02d} min"
+
+
+def fmt_duration_ms(ms: float | None) -> str:
+    """``159 ms`` below a second, ``2.1 s`` above, ``2 min 05 s`` past a minute; ``None`` → "—"."""
+    if ms is None:
+        return DASH
+    if ms < 1000:
+        return f"{ms:.0f} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    return fmt_age(ms / 1000)

@@ -1,14 +1,14 @@
 """Tray and window icons from :mod:`moetray.resources`: one SVG per engine state and variant.
 
-``light`` icons (a dark glyph) are for light panels, ``dark`` icons (a light glyph) for
-dark ones; :func:`variant_for` picks by the palette's window colour.
+``light`` icons (a dark glyph) go with the light theme, ``dark`` icons (a light glyph) with
+the dark one: the tray takes the variant of the theme (:mod:`moetray.ui.theme`).
 """
 
 from __future__ import annotations
 
 from importlib import resources
 
-from PySide6.QtGui import QIcon, QPalette
+from PySide6.QtGui import QIcon
 
 from moetray.ui.viewmodels import EngineState
 
@@ -27,11 +27,6 @@ _cache: dict[tuple[str, str], QIcon] = {}
 
 def icon_path(name: str) -> str:
     return str(resources.files("moetray.resources").joinpath("icons", name))
-
-
-def variant_for(palette: QPalette) -> str:
-    """``dark`` when the panel behind the icon is dark (low window lightness), else ``light``."""
-    return "dark" if palette.color(QPalette.ColorRole.Window).lightness() < 128 else "light"
 
 
 def state_icon(state: EngineState | str, variant: str = "light") -> QIcon:

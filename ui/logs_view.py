@@ -5,6 +5,7 @@ from __future__ import annotations
 from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import QLabel, QPlainTextEdit, QVBoxLayout, QWidget
 
+from moetray.ui.theme import mute
 from moetray.ui.viewmodels import LOG_LINES, LogsModel
 
 
@@ -13,10 +14,11 @@ class LogsView(QWidget):
         super().__init__(parent)
         self.model = model
         layout = QVBoxLayout(self)
-        self.source_label = QLabel()
-        self.source_label.setStyleSheet("color: #7f8c8d;")
+        self.source_label = mute(QLabel())
+        self.source_label.setWordWrap(True)
         self.text = QPlainTextEdit()
         self.text.setReadOnly(True)
+        self.text.setToolTip("The engine's output and the tray's own notes ([moetray] lines)")
         self.text.setMaximumBlockCount(LOG_LINES)
         self.text.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
         self.text.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)

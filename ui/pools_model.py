@@ -9,6 +9,10 @@ never offers a size the engine's ``validate_rebuild`` would reject for want of m
 The slider's integer value is the number of expert slots; KV takes what the budget
 leaves. The selection follows the engine's sizes until the user moves it; after that it
 stays put (1 Hz snapshots do not yank the slider) until Apply finishes or Reset.
+
+While a re-split waits for running requests (the snapshot's ``rebuild_progress``), the
+model says so in words (:meth:`PoolsModel.waiting_text`) and the panel offers **Stop them
+and apply** and **Cancel**.
 """
 
 from __future__ import annotations
@@ -21,9 +25,39 @@ from PySide6.QtCore import QObject, Signal
 
 from moetray.policy import wire
 from moetray.policy.pool_budget import BudgetTooSmall, PoolBudget, PoolLimits, PoolSizes, Projection
-from moetray.ui.viewmodels import ApplyOutcome, rebuild_outcome
+from moetray.ui.format import fmt_bytes, fmt_int
+from moetray.ui.outcome import ApplyOutcome, rebuild_outcome
 
 PRESET_LABELS = {"minimum": "Minimum", "chat": "Chat", "agent": "Agent"}
+PRESET_PURPOSE = {
+    "minimum": "the smallest pools that serve: frees memory for other programs",
+    "chat": "a balanced split for conversations",
+    "agent": "the most context for long agent sessions",
+}
+
+
+@dataclass(frozen=True)
+class RebuildWait:
+    """A re-split waiting for running requests (``wire.RebuildProgress``), as the snapshot said."""
+
+    stage: str  # "waiting" or "applying"
+    running: int
+    waited_s: float
+    timeout_s: float | None
+    held: int
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any] | None) -> RebuildWait | None:
+        if not body:
+            return None
+        timeout = body.get("timeout_s")
+        return cls(str(body.get("stage", "waiting")), int(body.get("running") or 0),
+                   float(body.get("waited_s") or 0.0), None if timeout is None else float(timeout),
+                   int(body.get("held") or 0))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 class ApplyRefused(Exception):
@@ -68,6 +102,8 @@ class PoolsModel(QObject):
         self.user_moved = False
         self.applying = False
         self.outcome: ApplyOutcome | None = None
+        self.waiting: RebuildWait | None = None
+        self.stopping_running = False  # "Stop them and apply" was pressed for this wait
         self._last_seen: Mapping[str, Any] | None = None
 
     # -- derived ----------------------------------------------------------------------
@@ -109,6 +145,37 @@ class PoolsModel(QObject):
             return None
         return self.budget.project(sizes)
 
+    def waiting_text(self) -> str | None:
+        """"Waiting for 2 running requests… (12 s of 30 s)" while a re-split waits; else ``None``."""
+        wait = self.waiting
+        if wait is None or wait.stage != "waiting":
+            return None
+        of = "" if wait.timeout_s is None else f" of {wait.timeout_s:.0f} s"
+        text = f"Waiting for {_plural(wait.running, 'running request')}… ({wait.waited_s:.0f} s{of})"
+        if wait.held:
+            text += f"; {_plural(wait.held, 'new request')} will go on when it is done"
+        return text
+
+    def preset_preview(self, name: str) -> str | None:
+        """What choosing preset ``name`` changes, from the engine's sizes now (before Apply)."""
+        sizes = dict(self.presets).get(name)
+        now = self.projection(self.current) if self.current is not None else None
+        new = self.projection(sizes) if sizes is not None else None
+        if new is None:
+            return None
+        label = PRESET_LABELS.get(name, name)
+        lines = [f"{label}: {PRESET_PURPOSE.get(name, '')}".rstrip(": ")]
+        if now is None:
+            lines.append(f"Context: {fmt_int(new.kv_tokens)} KV tokens · "
+                         f"expert slots: {fmt_int(new.moe_slots)}")
+        else:
+            lines.append(f"Context: {fmt_int(now.kv_tokens)} → {fmt_int(new.kv_tokens)} KV tokens"
+                         f" ({fmt_bytes(now.kv_bytes)} → {fmt_bytes(new.kv_bytes)})")
+            lines.append(f"Expert slots: {fmt_int(now.moe_slots)} → {fmt_int(new.moe_slots)}"
+                         f" ({fmt_bytes(now.moe_bytes)} → {fmt_bytes(new.moe_bytes)})")
+        lines.append("Selecting it changes nothing until Apply.")
+        return "\n".join(lines)
+
     def preset_matching(self) -> str | None:
         """The preset the selection equals, if any."""
         for name, sizes in self.presets:
@@ -136,6 +203,12 @@ class PoolsModel(QObject):
             self._derive_limits()
             changed = True
         changed |= self._set("current", current)
+        waiting = RebuildWait.from_wire(snap.get("rebuild_progress"))
+        if waiting != self.waiting:
+            self.waiting = waiting
+            if waiting is None:
+                self.stopping_running = False
+            self.outcome_changed.emit()
         self._take_last_rebuild(snap.get("last_rebuild"))
         if changed:
             self.changed.emit()
@@ -175,6 +248,11 @@ class PoolsModel(QObject):
         self.user_moved = False
         self._select(self.current)
 
+    def mark_stopping_running(self) -> None:
+        """"Stop them and apply" was sent: the panel says so until the wait ends."""
+        self.stopping_running = True
+        self.outcome_changed.emit()
+
     def begin_apply(self) -> RebuildTarget:
         """Start an Apply of the selection; returns the request body to send.
 
@@ -198,6 +276,8 @@ class PoolsModel(QObject):
     def finish_apply(self, outcome: ApplyOutcome) -> None:
         """Record the engine's verdict; the slider returns to following the engine."""
         self.applying = False
+        self.waiting = None
+        self.stopping_running = False
         self.outcome = outcome
         if outcome.after is not None:
             self.current = PoolSizes(outcome.after.moe_slots, outcome.after.kv_pages)

@@ -1,16 +1,16 @@
 """Pools panel: the live re-split slider between expert slots and KV tokens.
 
 The view only draws :class:`~moetray.ui.pools_model.PoolsModel` and forwards intents:
-moving the slider or a preset selects sizes in the model; Apply and Restart are emitted
-(``apply_clicked``, ``restart_clicked``) for the app, which calls the engine and hands the
-outcome back to the model.
+moving the slider or a preset selects sizes in the model; Apply, Restart, and while a
+re-split waits for running requests **Stop them and apply** and **Cancel**, are emitted
+(``apply_clicked``, ``restart_clicked``, ``stop_running_clicked``, ``cancel_clicked``) for
+the app, which calls the engine and hands the outcome back to the model.
 """
 
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QButtonGroup,
     QGroupBox,
     QHBoxLayout,
     QLabel,
@@ -23,6 +23,10 @@ from PySide6.QtWidgets import (
 from moetray.ui.charts import SegmentBar
 from moetray.ui.format import DASH, fmt_bytes, fmt_int
 from moetray.ui.pools_model import PRESET_LABELS, PoolsModel
+from moetray.ui.theme import mute
+
+STOP_AND_APPLY = "Stop them and apply"
+CANCEL = "Cancel"
 
 MOE_COLOR, KV_COLOR = "#3daee9", "#27ae60"
 SEVERITY_STYLE = {
@@ -35,6 +39,8 @@ SEVERITY_STYLE = {
 class PoolsView(QWidget):
     apply_clicked = Signal()
     restart_clicked = Signal()
+    stop_running_clicked = Signal()
+    cancel_clicked = Signal()
 
     def __init__(self, model: PoolsModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -54,14 +60,12 @@ class PoolsView(QWidget):
         rlayout = QVBoxLayout(resplit)
         presets = QHBoxLayout()
         presets.addWidget(QLabel("Presets:"))
-        self.preset_group = QButtonGroup(self)
-        self.preset_group.setExclusive(False)
+        # Plain buttons, not a QButtonGroup: Qt lets Tab reach only one button of a group.
         self.preset_buttons: dict[str, QPushButton] = {}
         for name, label in PRESET_LABELS.items():
             button = QPushButton(label)
             button.setCheckable(True)
             button.clicked.connect(lambda _=False, n=name: self._choose_preset(n))
-            self.preset_group.addButton(button)
             self.preset_buttons[name] = button
             presets.addWidget(button)
         presets.addStretch(1)
@@ -71,24 +75,34 @@ class PoolsView(QWidget):
         slider_row.addWidget(QLabel("more KV tokens"))
         self.slider = QSlider(Qt.Orientation.Horizontal)
         self.slider.setTracking(True)
+        self.slider.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
+        self.slider.setAccessibleName("Expert slots versus KV tokens")
+        self.slider.setToolTip("Left: more KV tokens (longer context, more requests at once). "
+                               "Right: more expert slots (fewer expert copies per token). "
+                               "Arrow keys move it; nothing changes until Apply.")
         self.slider.valueChanged.connect(self._slider_moved)
         slider_row.addWidget(self.slider, 1)
         slider_row.addWidget(QLabel("more expert slots"))
         rlayout.addLayout(slider_row)
-        self.limits_label = QLabel(DASH)
-        self.limits_label.setStyleSheet("color: #7f8c8d; font-size: 8pt;")
+        self.limits_label = mute(QLabel(DASH), small=True)
         rlayout.addWidget(self.limits_label)
         self.projection_label = QLabel(DASH)
         self.projection_label.setWordWrap(True)
         rlayout.addWidget(self.projection_label)
+        self.change_label = QLabel()
+        self.change_label.setWordWrap(True)
+        rlayout.addWidget(self.change_label)
         self.split_bar = SegmentBar()
         self.split_bar.setToolTip("Of the pools' budget: expert cache (blue), KV cache (green), unused")
         rlayout.addWidget(self.split_bar)
 
         buttons = QHBoxLayout()
         self.apply_button = QPushButton("Apply")
+        self.apply_button.setToolTip("Re-split the pools to the selection now, without reloading "
+                                     "the model; requests arriving meanwhile wait for it")
         self.apply_button.clicked.connect(self.apply_clicked)
         self.reset_button = QPushButton("Reset")
+        self.reset_button.setToolTip("Show the engine's current sizes again")
         self.reset_button.clicked.connect(model.reset_selection)
         buttons.addWidget(self.apply_button)
         buttons.addWidget(self.reset_button)
@@ -105,9 +119,22 @@ class PoolsView(QWidget):
         self.outcome_label = QLabel("Nothing applied yet.")
         self.outcome_label.setWordWrap(True)
         self.outcome_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        waiting = QHBoxLayout()
+        self.stop_running_button = QPushButton(STOP_AND_APPLY)
+        self.stop_running_button.setToolTip("Stop the requests the re-split is waiting for, then apply it "
+                                            "(their clients get what was generated so far)")
+        self.stop_running_button.clicked.connect(self.stop_running_clicked)
+        self.cancel_button = QPushButton(CANCEL)
+        self.cancel_button.setToolTip("Stop waiting: nothing changes and the requests go on")
+        self.cancel_button.clicked.connect(self.cancel_clicked)
+        waiting.addWidget(self.stop_running_button)
+        waiting.addWidget(self.cancel_button)
+        waiting.addStretch(1)
         self.restart_button = QPushButton("Restart engine")
+        self.restart_button.setToolTip("Stop the engine and start it again with the same settings")
         self.restart_button.clicked.connect(self.restart_clicked)
         olayout.addWidget(self.outcome_label)
+        olayout.addLayout(waiting)
         olayout.addWidget(self.restart_button, 0, Qt.AlignmentFlag.AlignLeft)
         layout.addWidget(outcome)
         layout.addStretch(1)
@@ -161,6 +188,7 @@ class PoolsView(QWidget):
         self.slider.setEnabled(reason is None and m.has_moe_range)
         for name, button in self.preset_buttons.items():
             button.setEnabled(reason is None and any(n == name for n, _ in m.presets))
+            button.setToolTip(m.preset_preview(name) or reason or "")
         self.reason_label.setText(reason or "")
         self.reason_label.setVisible(reason is not None)
         self._update_buttons()
@@ -183,10 +211,29 @@ class PoolsView(QWidget):
                 f" · {fmt_bytes(proj.moe_bytes)} &nbsp;|&nbsp; <b>{fmt_int(proj.kv_tokens)} KV tokens</b>"
                 f" ({fmt_int(proj.kv_pages)} pages) · {fmt_bytes(proj.kv_bytes)} &nbsp;|&nbsp; "
                 f"{fmt_bytes(proj.total_bytes)} of {fmt_bytes(budget)}")
+        self.change_label.setText(self._change_text())
+        self.change_label.setVisible(m.dirty)
         matching = m.preset_matching()
         for name, button in self.preset_buttons.items():
             button.setChecked(name == matching)
         self._update_buttons()
+
+    def _change_text(self) -> str:
+        """What Apply would change, before it is pressed (context tokens, expert slots, GiB)."""
+        m = self.model
+        if not m.dirty or m.current is None:
+            return ""
+        now, new = m.projection(m.current), m.projection()
+        if now is None or new is None:
+            return ""
+        parts = []
+        if new.kv_tokens != now.kv_tokens:
+            verb = "shrinks" if new.kv_tokens < now.kv_tokens else "grows"
+            parts.append(f"Context {verb}: {fmt_int(now.kv_tokens)} → {fmt_int(new.kv_tokens)} KV tokens")
+        if new.moe_slots != now.moe_slots:
+            parts.append(f"expert slots {fmt_int(now.moe_slots)} → {fmt_int(new.moe_slots)}")
+        parts.append(f"memory {fmt_bytes(now.total_bytes)} → {fmt_bytes(new.total_bytes)}")
+        return "Apply would change: " + " · ".join(parts)
 
     def _update_buttons(self) -> None:
         m = self.model
@@ -195,9 +242,17 @@ class PoolsView(QWidget):
         self.reset_button.setEnabled(m.dirty and not m.applying)
 
     def _update_outcome(self) -> None:
-        outcome = self.model.outcome
-        if self.model.applying:
-            self.outcome_label.setText("Applying… the engine is waiting for idle, then re-splitting.")
+        m = self.model
+        outcome = m.outcome
+        waiting = m.waiting_text()
+        self.stop_running_button.setVisible(waiting is not None)
+        self.cancel_button.setVisible(waiting is not None)
+        self.stop_running_button.setEnabled(waiting is not None and not m.stopping_running)
+        if waiting is not None:
+            self.outcome_label.setText(waiting + (" Stopping them…" if m.stopping_running else ""))
+            self.outcome_label.setStyleSheet(SEVERITY_STYLE["warning"])
+        elif m.applying:
+            self.outcome_label.setText("Applying… running requests finish first; new ones wait for it.")
             self.outcome_label.setStyleSheet("")
         elif outcome is None:
             self.outcome_label.setText("Nothing applied yet.")

@@ -13,16 +13,13 @@ Unknown numbers stay ``None`` all the way to the formatter, which draws "—".
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from PySide6.QtCore import QObject, Signal
-
-from moetray.policy import wire
 
 HISTORY_POINTS = 120
 """Points kept per rolling chart: two minutes at the engine's 1 Hz event cadence."""
@@ -53,6 +50,11 @@ class History:
 
     def append(self, t: float, value: float | None) -> None:
         self._points.append((t, value))
+
+    def break_at(self, t: float) -> None:
+        """The source went away at ``t`` (the engine died): the line stops here, never joined on."""
+        if self._points and self._points[-1][1] is not None:
+            self._points.append((t, None))
 
     def clear(self) -> None:
         self._points.clear()
@@ -128,6 +130,8 @@ class EngineModel(_Model):
         self.load: LoadStep | None = None
         self.uptime_s: float | None = None
         self.failure: str | None = None  # the engine's own words for why it failed (``/health``)
+        self.crash_count = 0  # crashes counted against the restart budget (the last 10 minutes)
+        self.last_crash: str | None = None
 
     def set_state(self, state: EngineState, detail: str | None = None) -> bool:
         """Set the tray-side state and its explanation; emits ``changed`` if either differs."""
@@ -138,6 +142,13 @@ class EngineModel(_Model):
 
     def set_endpoint(self, api_url: str | None, *, attached: bool) -> bool:
         changed = self._assign("api_url", api_url) | self._assign("attached", attached)
+        if changed:
+            self.changed.emit()
+        return changed
+
+    def set_crashes(self, count: int, last: str | None) -> bool:
+        """How many crashes the supervisor counts now, and the last one's reason."""
+        changed = self._assign("crash_count", int(count)) | self._assign("last_crash", last)
         if changed:
             self.changed.emit()
         return changed
@@ -180,8 +191,8 @@ class EngineModel(_Model):
         return changed
 
     def forget_engine(self) -> bool:
-        """Drop what was learned from an engine that is gone (the endpoint stays)."""
-        changed = False
+        """Drop what was learned from an engine that is gone, its API URL included."""
+        changed = self._assign("api_url", None)
         for name in ("model_id", "model_label", "model_path", "architecture", "geometry",
                      "context_length", "load", "uptime_s", "failure"):
             changed |= self._assign(name, None)
@@ -198,8 +209,10 @@ def serving_action(state: EngineState, attached: bool) -> tuple[str, bool, str |
     """
     if attached:
         return ("Stop serving", False, "Attached to an engine started elsewhere; stop it there.")
-    if state in (EngineState.STOPPED, EngineState.FAILED):
+    if state == EngineState.STOPPED:
         return ("Start serving", True, None)
+    if state == EngineState.FAILED:
+        return ("Restart engine", True, None)
     if state == EngineState.STOPPING:
         return ("Stopping…", False, "The engine is stopping.")
     return ("Stop serving", True, None)
@@ -292,6 +305,29 @@ def _grid(rows: Iterable[Iterable[int | None]] | None) -> tuple[tuple[int | None
     return tuple(tuple(r) for r in rows) if rows is not None else ()
 
 
+NEVER_USED_WARMTH = 0.05
+"""The warmth of a resident expert never used yet (the coldest resident shade)."""
+
+
+def warmth(age: int | None) -> float:
+    """A heatmap cell's shade in (0, 1] from steps since last use: 1 this step, cooling as 1/(1+age)."""
+    return NEVER_USED_WARMTH if age is None else 1.0 / (1.0 + max(0, age))
+
+
+def interval_hit_rate(before: tuple[int, int] | None, now: tuple[int, int] | None) -> float | None:
+    """Hits over routes between two ``(total_hits, total_misses)`` readings.
+
+    ``None`` when nothing was routed in between (an idle engine's hit rate is unknown, not
+    100 %), when either reading is missing, or when the totals went back (a new engine).
+    """
+    if before is None or now is None:
+        return None
+    hits, misses = now[0] - before[0], now[1] - before[1]
+    if hits < 0 or misses < 0 or hits + misses == 0:
+        return None
+    return hits / (hits + misses)
+
+
 def layer_hit_rates(hits: Sequence[int], misses: Sequence[int]) -> list[float | None]:
     """Hit rate per layer over the window; ``None`` for a layer that routed nothing."""
     rates: list[float | None] = []
@@ -325,9 +361,10 @@ class ExpertsModel(_Model):
         self.bytes_per_token: float | None = None
         self.backend: str | None = None
         self.fetch_fraction: float | None = None
-        self.hit_rate_history = History(maxlen)
+        self.hit_rate_history = History(maxlen)  # per interval between snapshots; idle is a gap
         self.layer_histories: list[History] = []
         self._maxlen = maxlen
+        self._last_totals: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -352,8 +389,7 @@ class ExpertsModel(_Model):
                 if slot is None:
                     out.append(None)
                     continue
-                age = ages[expert] if expert < len(ages) else None
-                out.append(0.05 if age is None else 1.0 / (1.0 + max(0, age)))
+                out.append(warmth(ages[expert] if expert < len(ages) else None))
             cells.append(out)
         return cells
 
@@ -382,11 +418,15 @@ class ExpertsModel(_Model):
         for key in ("hit_rate", "total_hits", "total_misses", "total_bytes", "bytes_per_token",
                     "backend", "fetch_fraction"):
             changed |= self._assign(key, experts.get(key))
-        self.hit_rate_history.append(t, self.hit_rate)
+        totals = None if self.total_hits is None or self.total_misses is None else (
+            int(self.total_hits), int(self.total_misses))
+        interval = interval_hit_rate(self._last_totals, totals)
+        self._last_totals = totals
+        self.hit_rate_history.append(t, interval)
         if len(self.layer_histories) != len(rates):
             self.layer_histories = [History(self._maxlen) for _ in rates]
         for history, rate in zip(self.layer_histories, rates, strict=True):
-            history.append(t, rate)
+            history.append(t, None if interval is None else rate)  # idle: unknown, not the old window
         if residency_changed:
             self.residency_changed.emit()
         if changed or residency_changed:
@@ -432,85 +472,6 @@ class ThroughputModel(_Model):
         return changed
 
 
-# --- requests -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RequestRow:
-    id: str
-    state: str  # queued / prefill / decode, or "stopping" once a Stop was acknowledged
-    tokens: int
-    prompt_tokens: int
-    age_s: float
-
-
-class RequestsModel(_Model):
-    """The live request table and which rows have a Stop in flight.
-
-    A row stays until the engine stops listing it: a Stop is shown as "stopping" at once,
-    and the row disappears with the next snapshot or ``/admin/requests`` reply that no
-    longer lists it. Rows are never hidden on the tray's say-so alone. Once a fresh list
-    has confirmed a stopped row gone, a snapshot taken before the stop (still in flight
-    on the 1 Hz stream) cannot bring it back for ``stale_s`` seconds.
-    """
-
-    rows_changed = Signal()
-
-    def __init__(self, *, stale_s: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__()
-        self.rows: tuple[RequestRow, ...] = ()
-        self.stopping: frozenset[str] = frozenset()
-        self._gone: dict[str, float] = {}
-        self._stale_s = stale_s
-        self._clock = clock
-
-    def apply_requests(self, requests: Iterable[Mapping[str, Any]], *, fresh: bool = False) -> bool:
-        """Replace the table with the engine's list; forgets Stops for rows that are gone.
-
-        ``fresh`` marks a list fetched after a Stop: stopped rows it no longer lists are
-        remembered as gone, so an older snapshot arriving next does not resurrect them.
-        """
-        now = self._clock()
-        self._gone = {rid: t for rid, t in self._gone.items() if now - t < self._stale_s}
-        rows = tuple(
-            RequestRow(str(r["id"]), str(r["state"]), int(r.get("tokens") or 0),
-                       int(r.get("prompt_tokens") or 0), float(r.get("age_s") or 0.0))
-            for r in requests if str(r["id"]) not in self._gone)
-        live = {r.id for r in rows}
-        if fresh:
-            for rid in self.stopping - live:
-                self._gone[rid] = now
-        changed = self._assign("rows", rows)
-        changed |= self._assign("stopping", frozenset(self.stopping & live))
-        if changed:
-            self.rows_changed.emit()
-        return changed
-
-    def apply_snapshot(self, snap: Mapping[str, Any]) -> bool:
-        return self.apply_requests(snap.get("requests") or ())
-
-    def mark_stopping(self, request_ids: Iterable[str]) -> bool:
-        """Record that a Stop was sent for these rows (only rows still listed)."""
-        live = {r.id for r in self.rows}
-        changed = self._assign("stopping", frozenset(self.stopping | (set(request_ids) & live)))
-        if changed:
-            self.rows_changed.emit()
-        return changed
-
-    def unmark_stopping(self, request_id: str) -> bool:
-        """A Stop failed: show the row's own state again."""
-        changed = self._assign("stopping", frozenset(self.stopping - {request_id}))
-        if changed:
-            self.rows_changed.emit()
-        return changed
-
-    def display_state(self, row: RequestRow) -> str:
-        return "stopping" if row.id in self.stopping else row.state
-
-    def clear(self) -> bool:
-        return self.apply_requests(())
-
-
 # --- logs -----------------------------------------------------------------------------
 
 
@@ -547,120 +508,3 @@ class LogsModel(QObject):
         if source != self.source:
             self.source = source
             self.source_changed.emit()
-
-
-# --- rebuild outcome ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sizes:
-    moe_slots: int
-    kv_pages: int
-    kv_tokens: int
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any] | None) -> Sizes | None:
-        if not body:
-            return None
-        return cls(int(body["moe_slots"]), int(body["kv_pages"]), int(body["kv_tokens"]))
-
-
-OUTCOME_SEVERITY = {"applied": "ok", "rejected_intact": "warning", "rolled_back": "warning",
-                    "pending": "warning", "latched": "error", "unreachable": "error"}
-LATCHED_WAY_OUT = ("The engine is latched failed and serves nothing until it restarts: "
-                   "use Stop serving, then Start serving (or Restart engine).")
-
-
-@dataclass(frozen=True)
-class ApplyOutcome:
-    """What one Apply did, as the engine said it: never paraphrased, never guessed.
-
-    ``outcome`` is the rebuild outcome (``applied``, ``rejected_intact``, ``rolled_back``,
-    ``latched``), ``pending`` when the engine stopped waiting for a transaction that is
-    still running (``rebuild_timed_out``; the status feed shows how it ends) or
-    ``unreachable`` when no answer came back. ``message`` is the engine's
-    own sentence; ``kind`` its refusal kind.
-    """
-
-    outcome: str
-    kind: str | None
-    message: str
-    before: Sizes | None
-    after: Sizes | None
-    elapsed_ms: float | None
-    prefix_cache_invalidated: bool | None
-
-    @property
-    def severity(self) -> str:
-        return OUTCOME_SEVERITY.get(self.outcome, "error")
-
-    @property
-    def way_out(self) -> str | None:
-        return LATCHED_WAY_OUT if self.outcome == "latched" else None
-
-    def text(self) -> str:
-        """The outcome line the Pools panel shows."""
-        def sizes(s: Sizes) -> str:
-            return f"{s.moe_slots} slots / {s.kv_tokens} KV tokens ({s.kv_pages} pages)"
-
-        head = {"applied": "Applied", "rejected_intact": "Rejected, nothing changed",
-                "rolled_back": "Rolled back to the old sizes", "latched": "LATCHED",
-                "pending": "Still running",
-                "unreachable": "No answer from the engine"}.get(self.outcome, self.outcome)
-        parts = [head]
-        if self.kind and self.outcome != "applied":
-            parts[0] += f" ({self.kind})"
-        if self.message:
-            parts.append(self.message)
-        if self.outcome == "applied" and self.before and self.after:
-            parts.append(f"{sizes(self.before)} → {sizes(self.after)}")
-        elif self.after:
-            parts.append(f"now {sizes(self.after)}")
-        if self.elapsed_ms is not None:
-            parts.append(f"in {self.elapsed_ms:.0f} ms")
-        if self.prefix_cache_invalidated:
-            parts.append("prefix cache invalidated")
-        if self.way_out:
-            parts.append(self.way_out)
-        return " · ".join(parts)
-
-
-def rebuild_outcome(status: int | None, body: Mapping[str, Any] | None) -> ApplyOutcome:
-    """Read a ``POST /admin/cache/rebuild`` reply (any status) into an :class:`ApplyOutcome`.
-
-    Decides the outcome from the body's ``outcome`` when present; an error body without
-    one is read by its refusal kind: ``rolled_back`` and ``rebuild_latched``/``latched``
-    name themselves, ``rebuild_timed_out`` is ``pending``, any other refusal (gate,
-    arithmetic, idle timeout) changed nothing.
-    ``status=None`` means the request got no reply at all. Mutates nothing.
-    """
-    if status is None or body is None:
-        message = "" if body is None else str(body.get("message", ""))
-        return ApplyOutcome("unreachable", None, message, None, None, None, None)
-    fields: Mapping[str, Any] = body.get("error", body) if isinstance(body.get("error"), dict) else body
-    kind = fields.get("kind") if "error" in body else None
-    outcome = fields.get("outcome")
-    if outcome is None:
-        if status < 300:
-            outcome = "applied"
-        elif kind == "rolled_back":
-            outcome = "rolled_back"
-        elif kind in ("rebuild_latched", "latched"):
-            outcome = "latched"
-        elif kind == "rebuild_timed_out":
-            outcome = "pending"
-        else:
-            outcome = "rejected_intact"
-    message = str(fields.get("message") or "")
-    if not message and kind:
-        message = wire.refusal_for(str(kind)).summary
-    elapsed = fields.get("elapsed_ms")
-    return ApplyOutcome(
-        outcome=str(outcome),
-        kind=None if kind is None else str(kind),
-        message=message,
-        before=Sizes.from_wire(fields.get("before")),
-        after=Sizes.from_wire(fields.get("after")),
-        elapsed_ms=None if elapsed is None else float(elapsed),
-        prefix_cache_invalidated=fields.get("prefix_cache_invalidated"),
-    )

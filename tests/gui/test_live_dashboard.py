@@ -14,7 +14,7 @@ from PySide6.QtCore import Qt
 
 from moetray.app.application import AppOptions, MoetrayApp
 from moetray.app.settings import Settings
-from moetray.ui.charts import EMPTY_CELL
+from moetray.ui.charts import empty_cell
 from moetray.ui.viewmodels import EngineState
 
 WAIT_MS = 30000
@@ -79,8 +79,8 @@ def test_heatmap_reflects_the_engines_residency_map(app, window, dashboard_engin
     resident = [(li, e) for li, row in enumerate(residency) for e, slot in enumerate(row) if slot is not None]
     empty = [(li, e) for li, row in enumerate(residency) for e, slot in enumerate(row) if slot is None]
     assert resident and empty, "a partly resident map is needed for this test to mean anything"
-    assert all(tuple(rgba[li, e]) == EMPTY_CELL for li, e in empty)
-    assert all(tuple(rgba[li, e]) != EMPTY_CELL for li, e in resident)
+    assert all(tuple(rgba[li, e]) == empty_cell() for li, e in empty)
+    assert all(tuple(rgba[li, e]) != empty_cell() for li, e in resident)
     stat = window.experts.stats.stat("Resident experts").value_text
     assert stat == f"{len(resident)} / {len(resident) + len(empty)}"
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from replay_data import snapshots
 
 from moetray.policy.pool_budget import PoolBudget, PoolSizes, RebuildRequest
+from moetray.ui.outcome import rebuild_outcome
 from moetray.ui.pools_model import ApplyRefused, PoolsModel
-from moetray.ui.viewmodels import rebuild_outcome
 
 SNAPS = snapshots()
 SERVING = SNAPS[1]
@@ -164,6 +164,32 @@ def test_a_timed_out_apply_is_pending_until_the_snapshot_reports_how_it_ended():
     pending = rebuild_outcome(503, body)
     model.finish_apply(pending)
     assert (pending.outcome, pending.severity, pending.after) == ("pending", "warning", None)
-    assert pending.text().startswith("Still running (rebuild_timed_out) · the re-split is still running")
+    assert pending.text().startswith("Still running: the re-split is still running after 60s.")
     model.apply_snapshot(SNAPS[5])  # the transaction settled: last_rebuild says applied
     assert model.outcome.outcome == "applied" and model.outcome.after.moe_slots == 16
+
+
+def test_a_resplit_waiting_for_running_requests_is_said_in_words():
+    snap = copy.deepcopy(REBUILDING)
+    snap["rebuild_progress"] = {"stage": "waiting", "running": 2, "waited_s": 12.3, "timeout_s": 30.0,
+                                "held": 1}
+    model = PoolsModel()
+    model.apply_snapshot(snap)
+    assert model.waiting_text() == ("Waiting for 2 running requests… (12 s of 30 s); "
+                                    "1 new request will go on when it is done")
+    snap["rebuild_progress"].update(stage="applying")
+    model.apply_snapshot(snap)
+    assert model.waiting_text() is None
+    model.apply_snapshot(SERVING)  # the re-split ended: nothing is waiting
+    assert model.waiting is None
+
+
+def test_presets_preview_what_they_change_before_apply():
+    model = serving_model()
+    preview = model.preset_preview("minimum")
+    lines = preview.splitlines()
+    assert lines[0].startswith("Minimum: ")
+    assert lines[1].startswith("Context: 1\u2009920 → 32 KV tokens")  # the context shrinks, visibly
+    assert lines[2].startswith("Expert slots: 12 → 8")
+    assert "GiB" in preview or "MiB" in preview or "KiB" in preview
+    assert model.selection == model.current and not model.dirty  # a preview selects nothing

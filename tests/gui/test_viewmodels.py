@@ -12,16 +12,17 @@ import pytest
 from replay_data import snapshots
 
 from moetray.ui.dashboard_model import DashboardModel
-from moetray.ui.format import DASH, fmt_bytes, fmt_ms, fmt_pct, fmt_rate
+from moetray.ui.format import DASH, fmt_bytes, fmt_duration_ms, fmt_ms, fmt_pct, fmt_rate
+from moetray.ui.outcome import rebuild_outcome
+from moetray.ui.requests_model import RequestHistoryModel, RequestsModel
 from moetray.ui.viewmodels import (
     EngineModel,
     ExpertsModel,
     FootprintView,
     MemoryModel,
-    RequestsModel,
     ThroughputModel,
+    interval_hit_rate,
     layer_hit_rates,
-    rebuild_outcome,
 )
 
 
@@ -44,7 +45,7 @@ def snaps():
 
 def test_formatters_draw_unknown_as_a_dash_never_zero():
     # A CPU engine reports no device "engine bytes"; drawing 0 B would claim it uses none.
-    for fmt in (fmt_bytes, fmt_ms, fmt_pct, fmt_rate):
+    for fmt in (fmt_bytes, fmt_ms, fmt_pct, fmt_rate, fmt_duration_ms):
         assert fmt(None) == DASH
     assert fmt_bytes(0) == "0 B"
 
@@ -52,6 +53,22 @@ def test_formatters_draw_unknown_as_a_dash_never_zero():
 def test_hit_rate_of_a_layer_that_routed_nothing_is_unknown():
     # 0 hits of 0 routes is not a 0 % hit rate.
     assert layer_hit_rates([3, 0], [1, 0]) == [0.75, None]
+
+
+def test_hit_rate_over_an_interval_with_nothing_routed_is_unknown_not_100_percent():
+    assert interval_hit_rate((10, 2), (10, 2)) is None  # idle: no tokens routed
+    assert interval_hit_rate(None, (10, 2)) is None  # no earlier reading
+    assert interval_hit_rate((10, 2), (1, 0)) is None  # a new engine: totals went back
+    assert interval_hit_rate((10, 2), (13, 3)) == 0.75
+
+
+def test_an_idle_engine_draws_a_gap_in_the_hit_rate_chart_not_its_last_window(snaps):
+    experts = ExpertsModel()
+    for t, snap in enumerate(snaps[1:5]):  # busy at snap 3, then idle (same totals)
+        experts.apply_snapshot(snap, float(t))
+    assert experts.hit_rate == pytest.approx(23 / 30)  # the window figure stays, as a stat
+    assert experts.hit_rate_history.values() == [None, None, pytest.approx(23 / 30), None]
+    assert experts.layer_histories[0].values()[-1] is None
 
 
 def test_free_device_memory_is_unknown_when_any_term_is(snaps):
@@ -172,12 +189,23 @@ BEFORE = {"moe_slots": 12, "kv_pages": 120, "kv_tokens": 1920}
 AFTER = {"moe_slots": 16, "kv_pages": 104, "kv_tokens": 1664}
 
 
-def test_applied_outcome_shows_before_after_and_time():
+def test_applied_outcome_shows_before_after_and_the_engines_durations_in_plain_words():
     outcome = rebuild_outcome(200, {"outcome": "applied", "before": BEFORE, "after": AFTER,
-                                    "prefix_cache_invalidated": True, "elapsed_ms": 84.0})
-    assert outcome.severity == "ok"
-    assert "12 slots / 1920 KV tokens (120 pages) → 16 slots / 1664 KV tokens (104 pages)" in outcome.text()
-    assert "84 ms" in outcome.text() and "prefix cache invalidated" in outcome.text()
+                                    "prefix_cache_invalidated": True, "elapsed_ms": 2184.0,
+                                    "waited_ms": 2100.0, "applied_ms": 84.0})
+    assert outcome.severity == "ok" and (outcome.waited_ms, outcome.applied_ms) == (2100.0, 84.0)
+    assert outcome.text() == ("Applied: 12 → 16 expert slots, 1\u2009920 → 1\u2009664 KV tokens "
+                              "(took 84 ms, after waiting 2.1 s for running requests). "
+                              "Cached prompt prefixes were dropped.")
+
+
+def test_requests_still_running_is_said_in_plain_words_with_no_jargon():
+    body = {"error": {"message": "2 requests were still running after 30 s; nothing changed.",
+                      "kind": "idle_timeout", "retry": "now", "outcome": "rejected_intact", "before": BEFORE,
+                      "after": BEFORE, "elapsed_ms": 30004.2, "waited_ms": 30004.0, "applied_ms": None}}
+    outcome = rebuild_outcome(503, body)
+    assert outcome.text() == "2 requests were still running after 30 s; nothing changed."
+    assert "idle_timeout" not in outcome.text() and outcome.applied_ms is None
 
 
 def test_a_rejection_is_shown_with_the_engines_own_reason():
@@ -188,7 +216,7 @@ def test_a_rejection_is_shown_with_the_engines_own_reason():
                       "prefix_cache_invalidated": False, "elapsed_ms": 0.4}}
     outcome = rebuild_outcome(400, body)
     assert outcome.outcome == "rejected_intact" and outcome.kind == "too_large"
-    assert message in outcome.text() and "now 12 slots" in outcome.text()
+    assert outcome.text() == message + ". Nothing changed."
 
 
 def test_refusal_without_outcome_fields_is_read_by_its_kind():
@@ -202,7 +230,7 @@ def test_refusal_without_outcome_fields_is_read_by_its_kind():
 
 def test_latched_outcome_names_the_way_out():
     latched = rebuild_outcome(500, {"error": {"message": "restore failed", "kind": "rebuild_latched"}})
-    assert latched.way_out and "Start serving" in latched.text()
+    assert latched.way_out and "Restart engine" in latched.text()
 
 
 def test_no_reply_is_its_own_outcome_not_a_rejection():
@@ -221,9 +249,25 @@ def test_dashboard_model_distributes_a_whole_replay(snaps):
     assert model.throughput.tok_s == 41.5
     assert len(model.memory.engine_footprint_history) == len(snaps)
     model.memory.set_tray_footprint(FootprintView(90 * 2**20, "pss"))
-    model.forget_engine()
+    model.engine.set_endpoint("http://127.0.0.1:8765/v1", attached=False)
+    model.forget_engine(t=float(len(snaps)))
     assert model.pools.current is None and model.requests.rows == ()
     assert model.memory.tray_footprint is not None  # the tray still exists
+    assert model.engine.api_url is None  # no URL to copy for an engine that is gone
+    # Every line ends where the engine died: the next engine's points are never joined to it.
+    assert all(h.values()[-1] is None for h in model.histories())
+
+
+def test_the_history_is_the_engines_feed_newest_first():
+    history = RequestHistoryModel()
+    rows = [{"id": f"req-{i}", "finished_at": 1000.0 + i, "model": "tiny", "prompt_tokens": 5,
+             "completion_tokens": 7, "ttft_ms": None, "tok_s": None, "finish_reason": "length",
+             "stopped_by": None} for i in range(3)]
+    fired = Counter(history.changed)
+    history.apply_history({"requests": rows, "capacity": 200})
+    history.apply_history({"requests": rows, "capacity": 200})
+    assert fired.n == 1 and [r.id for r in history.rows] == ["req-2", "req-1", "req-0"]
+    assert history.rows[0].ttft_ms is None  # unknown stays unknown
 
 
 def test_a_stale_snapshot_cannot_resurrect_a_row_the_engine_confirmed_gone(snaps):

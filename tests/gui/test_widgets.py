@@ -9,13 +9,14 @@ import math
 import pytest
 from replay_data import snapshots
 
-from moetray.ui.charts import EMPTY_CELL, ResidencyHeatmap, RollingChart
+from moetray.ui.charts import ResidencyHeatmap, RollingChart, empty_cell
 from moetray.ui.dashboard import DashboardWindow, Header
 from moetray.ui.dashboard_model import DashboardModel
 from moetray.ui.format import DASH
 from moetray.ui.memory_view import MemoryView
+from moetray.ui.outcome import rebuild_outcome
 from moetray.ui.pools_view import PoolsView
-from moetray.ui.viewmodels import EngineModel, EngineState, MemoryModel, rebuild_outcome
+from moetray.ui.viewmodels import EngineModel, EngineState, MemoryModel
 
 SNAPS = snapshots()
 
@@ -41,8 +42,8 @@ def test_non_resident_cells_are_the_empty_colour(qtbot):
     heat = ResidencyHeatmap()
     qtbot.addWidget(heat)
     heat.set_cells([[None, 1.0], [0.05, None]])
-    assert tuple(heat.rgba[0, 0]) == EMPTY_CELL == tuple(heat.rgba[1, 1])
-    assert tuple(heat.rgba[0, 1]) != EMPTY_CELL and tuple(heat.rgba[1, 0]) != EMPTY_CELL
+    assert tuple(heat.rgba[0, 0]) == empty_cell() == tuple(heat.rgba[1, 1])
+    assert tuple(heat.rgba[0, 1]) != empty_cell() and tuple(heat.rgba[1, 0]) != empty_cell()
     assert tuple(heat.rgba[0, 1]) != tuple(heat.rgba[1, 0])  # recency changes the shade
 
 
