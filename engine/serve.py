@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from moetray.engine.api.security import BindRefused, Credentials, HostPolicy, check_bind, load_credentials  # noqa: E402
+from moetray.engine.lifeline import watch_parent  # noqa: E402
+from moetray.policy.wire import PARENT_PID_ENV  # noqa: E402
 
 if TYPE_CHECKING:
     from moetray.engine.core import Engine, EngineOptions
@@ -186,6 +188,17 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    tray = os.environ.get(PARENT_PID_ENV)
+    stopper = f"the tray (pid {tray})" if tray else "Ctrl-C"  # under a tray, SIGINT is its Stop
+    watch_parent(tray)
+    try:
+        return _serve(args, stopper)
+    except KeyboardInterrupt:  # a Stop before the server took over the signals (still importing)
+        log.info("stopped by %s before serving", stopper)
+        return 0
+
+
+def _serve(args: argparse.Namespace, stopper: str) -> int:
     try:
         check_bind(args.host, args.api_key or None)
     except BindRefused as exc:
@@ -224,5 +237,5 @@ def main(argv: list[str]) -> int:
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn already shut down gracefully, then re-raised the signal
-        log.info("stopped by Ctrl-C")
+        log.info("stopped by %s", stopper)
     return 0

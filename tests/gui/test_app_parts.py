@@ -14,9 +14,9 @@ from replay_data import snapshots, sse_lines
 
 from moetray.app import autostart
 from moetray.app.client import EngineError, SseDecoder, error_from_reply
-from moetray.app.settings import DEMO_MODEL, RECENT_MAX, Settings
+from moetray.app.settings import DEFAULT_PORT, DEMO_MODEL, LAN, RECENT_MAX, SETTINGS_FILE, Settings
 from moetray.app.single_instance import SingleInstance, server_name
-from moetray.app.supervisor import LaunchRefused, LaunchSpec, free_port, prepare_launch
+from moetray.app.supervisor import LaunchRefused, LaunchSpec, free_port, pick_port, prepare_launch
 from moetray.policy import wire
 
 # --- SSE ------------------------------------------------------------------------------
@@ -96,6 +96,55 @@ def test_a_busy_port_is_refused_before_spawning():
     assert free_port() > 0
 
 
+def test_the_tray_moves_a_taken_port_to_the_next_free_one_and_says_so():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        plan = prepare_launch(LaunchSpec(port=taken, port_fallback=True), python="/py")
+    assert plan.port != taken and plan.requested_port == taken and plan.port_moved
+    assert plan.base_url == f"http://127.0.0.1:{plan.port}"
+    assert plan.argv[plan.argv.index("--port") + 1] == str(plan.port)
+    assert taken < plan.port <= taken + 50  # the next free one, not any random port
+
+
+def test_a_port_left_in_time_wait_counts_as_free():
+    # A restarted engine must get its port back, not move to the next one.
+    import socket
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server side closes first: its end lingers in TIME_WAIT
+    client.close()
+    server.close()
+    assert pick_port("127.0.0.1", port, fallback=True) == port
+
+
+def test_models_by_name_and_gguf_files_pass_to_the_engine_as_given(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    for model, expected in (("hf:acme/moe", "hf:acme/moe"), ("ollama:qwen3:30b-a3b", "ollama:qwen3:30b-a3b"),
+                            (str(gguf), str(gguf.resolve()))):
+        plan = prepare_launch(LaunchSpec(model=model), python="/py")
+        assert plan.argv[plan.argv.index("--model") + 1] == expected
+
+
+def test_a_lan_address_needs_the_api_key_which_travels_in_the_environment():
+    with pytest.raises(LaunchRefused) as refused:
+        prepare_launch(LaunchSpec(host=LAN))
+    assert refused.value.kind == "not_loopback"
+    plan = prepare_launch(LaunchSpec(host=LAN, api_key="k3y"), python="/py")
+    assert plan.env[wire.API_KEY_ENV] == "k3y" and "k3y" not in " ".join(plan.argv)
+    assert plan.base_url.startswith("http://127.0.0.1:")  # the tray itself talks over loopback
+
+
 # --- settings -------------------------------------------------------------------------
 
 
@@ -118,6 +167,39 @@ def test_a_single_recent_folder_survives_a_restart(tmp_path):
     raw.setValue("models/recent", "/m/only")
     raw.sync()
     assert Settings.at(tmp_path / "s.conf").recent_models == ["/m/only"]
+
+
+def test_a_fresh_profile_serves_at_once_on_the_fixed_port(tmp_path):
+    settings = Settings.at(tmp_path / SETTINGS_FILE)
+    assert settings.serve_on_start is True and settings.port == DEFAULT_PORT == 8765
+    assert settings.host == "127.0.0.1" and settings.last_model == DEMO_MODEL and settings.theme == "system"
+    settings.serve_on_start = False
+    settings.sync()
+    assert Settings.at(tmp_path / SETTINGS_FILE).serve_on_start is False  # remembered
+
+
+def test_the_settings_file_is_named_alike_everywhere():
+    from PySide6.QtCore import QSettings
+
+    from moetray.app.settings import APPLICATION, ORGANIZATION
+
+    store = QSettings(QSettings.Format.IniFormat, QSettings.Scope.UserScope, ORGANIZATION, APPLICATION)
+    assert Path(store.fileName()).name == SETTINGS_FILE == "moetray.ini"
+    readme = (Path(__file__).resolve().parents[2] / "packaging" / "README.md").read_text()
+    assert "moetray.ini" in readme and "moetray.conf" not in readme
+
+
+def test_the_lan_api_key_is_made_once_in_a_file_only_the_user_reads(tmp_path):
+    settings = Settings.at(tmp_path / SETTINGS_FILE)
+    assert settings.api_key() is None
+    key = settings.api_key(create=True)
+    assert key and settings.api_key() == key == settings.api_key(create=True)
+    assert settings.api_key_path.stat().st_mode & 0o777 == 0o600
+    settings.sync()
+    assert key not in (tmp_path / SETTINGS_FILE).read_text()  # the settings file never holds it
+    settings.api_key_path.chmod(0o644)
+    with pytest.raises(PermissionError):
+        settings.api_key()
 
 
 def test_the_demo_model_is_remembered_but_never_listed(tmp_path):

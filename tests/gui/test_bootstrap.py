@@ -19,12 +19,21 @@ from live import run_async
 
 from moetray.app.application import AppOptions, MoetrayApp
 from moetray.app.main import Prepared, PrepareRefused, parse_args, prepare, start_app
-from moetray.app.settings import Settings
+from moetray.app.settings import SETTINGS_FILE, Settings
 from moetray.app.single_instance import SingleInstance, server_name
 from moetray.ui.viewmodels import EngineState
 
 
+def quiet_settings(path: Path) -> Settings:
+    """A settings file whose tray does not serve at start (these rules need no engine)."""
+    settings = Settings.at(path)
+    settings.serve_on_start = False
+    settings.sync()
+    return settings
+
+
 def tray_process(settings: Path, tmp_path: Path, *args: str) -> subprocess.Popen:
+    quiet_settings(settings)
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", XDG_CONFIG_HOME=str(tmp_path / "config"))
     return subprocess.Popen([sys.executable, "-m", "moetray.app.cli", "--settings", str(settings), *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -42,7 +51,7 @@ def wait_listening(settings: Path, proc: subprocess.Popen, timeout_s: float = 60
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_shuts_the_tray_down_cleanly(tmp_path, sig):
-    settings = tmp_path / "moetray.conf"
+    settings = tmp_path / SETTINGS_FILE
     tray = tray_process(settings, tmp_path, "--no-tray")
     try:
         wait_listening(settings, tray)
@@ -54,7 +63,7 @@ def test_a_signal_shuts_the_tray_down_cleanly(tmp_path, sig):
 
 
 def test_a_second_launch_hands_over_to_the_first_and_exits(tmp_path):
-    settings = tmp_path / "moetray.conf"
+    settings = tmp_path / SETTINGS_FILE
     first = tray_process(settings, tmp_path, "--no-tray")
     try:
         wait_listening(settings, first)
@@ -67,6 +76,19 @@ def test_a_second_launch_hands_over_to_the_first_and_exits(tmp_path):
     finally:
         if first.poll() is None:
             first.kill()
+
+
+@pytest.mark.parametrize("display", [True, False])
+def test_unknown_arguments_are_refused_not_taken_for_serve(tmp_path, display):
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    if display:
+        env["QT_QPA_PLATFORM"] = "offscreen"
+    for argv in (["bogus"], ["--bogus"], ["serv"]):
+        done = subprocess.run([sys.executable, "-m", "moetray.app.cli", *argv], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2, (argv, done.stdout, done.stderr)
+        assert "unrecognized arguments" in done.stderr or "invalid choice" in done.stderr, done.stderr
+        assert "serving the default model" not in done.stderr
 
 
 def test_bad_arguments_are_refused_in_one_sentence_before_qt():
@@ -88,7 +110,7 @@ def test_attach_token_comes_from_a_file_or_the_environment(tmp_path):
 
 @pytest.fixture
 def offline_app(qapp, qloop, qtbot, tmp_path):
-    app = MoetrayApp(qapp, Settings.at(tmp_path / "moetray.conf"), AppOptions(no_tray=True))
+    app = MoetrayApp(qapp, quiet_settings(tmp_path / SETTINGS_FILE), AppOptions(no_tray=True))
     app.initialize()
     yield app
     run_async(qtbot, app.shutdown())
@@ -110,10 +132,11 @@ def test_a_refused_start_is_shown_and_spawns_nothing(offline_app, qtbot):
     assert offline_app.model.engine.state == EngineState.STOPPED
     assert "No such model folder" in offline_app.model.engine.detail
     assert notes and notes[0][2] is True
+    assert offline_app.settings.recent_models == [] and offline_app.settings.last_model == ""  # not saved
 
 
 def test_shutdown_runs_once_however_many_exit_paths_fire(qapp, qloop, qtbot, tmp_path):
-    settings = Settings.at(tmp_path / "moetray.conf")
+    settings = quiet_settings(tmp_path / SETTINGS_FILE)
     single = SingleInstance(server_name(settings.path))
     single.listen()
     sentinel = asyncio.get_event_loop().create_future()

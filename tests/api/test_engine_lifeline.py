@@ -1,0 +1,107 @@
+"""The engine's life is tied to its tray's: it ends when the tray is killed, and a Stop while it
+loads ends it cleanly, logged as the tray's Stop (real ``moetray serve`` children)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from moetray.policy import wire
+
+# A stand-in tray: starts the engine as the supervisor does (its own session, told its
+# parent), prints the engine's pid, then waits to be killed.
+FAKE_TRAY = f"""
+import os, subprocess, sys, time
+env = dict(os.environ)
+env[{wire.PARENT_PID_ENV!r}] = str(os.getpid())
+engine = subprocess.Popen(sys.argv[1:], env=env, stdout=open(os.environ["ENGINE_LOG"], "wb"),
+                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+print(engine.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _engine_argv(model: Path, tmp_path: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "moetray.app.cli", "serve", "--model", str(model), "--port", str(port),
+            "--budget-bytes", "256M", "--kv-tokens", "1024", "--threads", "1",
+            "--outbox-dir", str(tmp_path / "out")]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOETRAY_")}
+    (tmp_path / "run").mkdir(mode=0o700, exist_ok=True)
+    env.update(XDG_RUNTIME_DIR=str(tmp_path / "run"), OMP_NUM_THREADS="1",
+               ENGINE_LOG=str(tmp_path / "engine.log"))
+    return env
+
+
+def test_an_engine_ends_when_its_tray_is_killed(tiny_qwen3, tmp_path):
+    port = free_port()
+    tray = subprocess.Popen([sys.executable, "-c", FAKE_TRAY, *_engine_argv(tiny_qwen3, tmp_path, port)],
+                            env=_env(tmp_path), stdout=subprocess.PIPE, text=True)
+    engine_pid = int(tray.stdout.readline())
+    log = tmp_path / "engine.log"
+    try:
+        deadline = time.monotonic() + 240
+        while True:  # serving: the case where a dead tray's engine held memory for 30 minutes
+            assert _alive(engine_pid), log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the engine never served"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).json()[
+                        "state"] == "serving":
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.2)
+        tray.kill()  # no clean exit: no Stop, no prepare-stop
+        tray.wait(10)
+        deadline = time.monotonic() + 60
+        while _alive(engine_pid):
+            assert time.monotonic() < deadline, "the engine outlived its tray"
+            time.sleep(0.1)
+        text = log.read_text()
+        assert f"the tray (pid {tray.pid}) that started this engine is gone: stopping" in text, text[-3000:]
+    finally:
+        if tray.poll() is None:
+            tray.kill()
+        if _alive(engine_pid):
+            os.killpg(engine_pid, signal.SIGKILL)
+
+
+def test_a_stop_while_the_engine_loads_ends_cleanly_as_the_trays_stop(tiny_qwen3, tmp_path):
+    env = _env(tmp_path)
+    env[wire.PARENT_PID_ENV] = str(os.getpid())
+    engine = subprocess.Popen(_engine_argv(tiny_qwen3, tmp_path, free_port()), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        time.sleep(0.5)  # still importing torch: the moment a Stop used to print a traceback
+        engine.send_signal(signal.SIGINT)
+        out, _ = engine.communicate(timeout=120)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+    assert engine.returncode == 0, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert f"stopped by the tray (pid {os.getpid()})" in out
