@@ -1,5 +1,6 @@
-"""The supervisor with a real engine child: load progress, crash and hang detection, one
-restart and no loop, and a Quit that runs prepare-stop before ending the child.
+"""The supervisor with a real engine child: load progress, crash and hang detection, restarts
+within the budget, a refused model never remembered, and a Quit that runs prepare-stop
+before ending the child.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import pytest
 from live import run_async
 
 from moetray.app.application import AppOptions, MoetrayApp
-from moetray.app.settings import Settings
-from moetray.app.supervisor import Phase
+from moetray.app.settings import SETTINGS_FILE, Settings
+from moetray.app.supervisor import EngineSupervisor, Phase
+from moetray.policy.restart import RestartBudget
 from moetray.ui.viewmodels import EngineState
 
 START_MS = 240000
@@ -36,10 +38,11 @@ def supervised(qapp, qloop, qtbot, tmp_path, monkeypatch):
         path = tmp_path / var.lower()
         path.mkdir(mode=0o700)
         monkeypatch.setenv(var, str(path))  # the child's receipts and token files stay here
-    settings = Settings.at(tmp_path / "moetray.conf")
+    settings = Settings.at(tmp_path / SETTINGS_FILE)
     settings.engine_args = SMALL_POOLS
-    app = MoetrayApp(qapp, settings, AppOptions(no_tray=True))
-    app.supervisor.backoff_s = 0.2
+    settings.port = 0  # any free port: tests run side by side
+    supervisor = EngineSupervisor(restart_budget=RestartBudget(backoff_s=(0.2, 0.4, 0.8), max_crashes=2))
+    app = MoetrayApp(qapp, settings, AppOptions(no_tray=True), supervisor=supervisor)
     app.initialize()
     notes: list[tuple[str, str, bool]] = []
     app.notified.connect(lambda title, message, err: notes.append((title, message, err)))
@@ -60,7 +63,8 @@ def _serve(app, qtbot, model: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_crashed_engine_is_restarted_once_then_a_hang_is_final(supervised, tiny_model, qtbot):
+def test_crashes_and_hangs_are_restarted_within_the_budget_then_the_engine_stays_down(supervised, tiny_model,
+                                                                                      qtbot):
     app, sup = supervised, supervised.supervisor
     first = _serve(app, qtbot, tiny_model)
     with qtbot.waitSignal(sup.crashed, timeout=2000) as crashed:  # an exit is noticed within 2 s
@@ -68,24 +72,33 @@ def test_a_crashed_engine_is_restarted_once_then_a_hang_is_final(supervised, tin
     assert "exited" in crashed.args[0]
     qtbot.waitUntil(lambda: app.model.engine.state == EngineState.SERVING and sup.pid not in (None, first),
                     timeout=START_MS)
+    assert app.model.engine.api_url is not None  # serving again, at a URL to copy
     hung = sup.pid
-    assert (sup.restarts_used, sup.spawn_count) == (1, 2)
+    assert (sup.crash_count, sup.spawn_count) == (1, 2)
     os.kill(hung, signal.SIGSTOP)  # alive but silent: only the /health watchdog can tell
     try:
-        # The last /health reply is at most one probe interval old: detection within ~2 s.
-        with qtbot.waitSignal(sup.gave_up, timeout=3000) as gave_up:
+        with qtbot.waitSignal(sup.crashed, timeout=3000) as stopped:
             pass
     finally:
         if _alive(hung):
             os.kill(hung, signal.SIGCONT)
-    assert "stopped answering" in gave_up.args[0]
-    qtbot.waitUntil(lambda: not _alive(hung) or _zombie(hung), timeout=10000)
-    # Terminal: failed, shown with the reason, no restart scheduled, no third engine.
-    assert sup.phase == Phase.FAILED and sup._restart_task is None and sup.spawn_count == 2
-    assert app.model.engine.state == EngineState.FAILED
-    assert "stopped answering" in app.model.engine.detail
-    assert [err for _, _, err in app.notes] == [True, True, True]  # crash, crash, gave up
-    assert "restarted once already" in app.notes[-1][1]
+    assert "stopped answering" in stopped.args[0]
+    qtbot.waitUntil(lambda: app.model.engine.state == EngineState.SERVING and sup.pid not in (None, hung),
+                    timeout=START_MS)
+    assert (sup.crash_count, sup.spawn_count) == (2, 3)
+    assert app.model.engine.crash_count == 2  # shown: the count and the last reason
+    assert "stopped answering" in app.model.engine.last_crash
+    third = sup.pid
+    with qtbot.waitSignal(sup.gave_up, timeout=3000) as gave_up:  # past this budget (2): final
+        os.kill(third, signal.SIGKILL)
+    assert "exited" in gave_up.args[0]
+    qtbot.waitUntil(lambda: not _alive(third) or _zombie(third), timeout=10000)
+    # Terminal: failed, shown with the reason, no restart scheduled, no fourth engine.
+    assert sup.phase == Phase.FAILED and sup._restart_task is None and sup.spawn_count == 3
+    assert app.model.engine.state == EngineState.FAILED and app.model.engine.api_url is None
+    assert "exited" in app.model.engine.detail
+    assert [err for _, _, err in app.notes] == [True, True, True]  # crash, crash, stays down
+    assert "stays down" in app.notes[-1][1] and "Restart engine" in app.notes[-1][1]
 
 
 def _zombie(pid: int) -> bool:
@@ -100,6 +113,8 @@ def test_quit_takes_the_stop_receipt_then_ends_the_engine(supervised, tiny_model
     healths: list[dict] = []
     sup.health.connect(healths.append)
     pid = _serve(app, qtbot, tiny_model)
+    assert app.settings.last_model == str(tiny_model)  # served, so remembered
+    assert app.settings.recent_models == [str(tiny_model)]
     # Load progress was shown while loading (the engine answers /health before its model is in).
     assert any(h.get("state") == "loading" and h.get("load_progress") for h in healths)
     started = time.monotonic()
@@ -128,3 +143,6 @@ def test_a_model_the_engine_refuses_shows_the_engines_own_reason(supervised, qtb
     qtbot.waitUntil(lambda: supervised.model.engine.state == EngineState.FAILED, timeout=START_MS)
     detail = supervised.model.engine.detail
     assert detail.startswith("The engine failed: ") and "is not a mixture-of-experts checkpoint" in detail
+    # A refused model is never saved as the last or a recent one.
+    assert str(dense) not in supervised.settings.recent_models
+    assert supervised.settings.last_model != str(dense)
