@@ -137,6 +137,8 @@ class RequestRecord:
     done: bool = False
     cancelled: bool = False
     cached_tokens: int = 0
+    finish_reason: str | None = None  # how it ended: stop / length / cancelled / error
+    stopped_by: str | None = None  # who ended it early (wire.FinishedRequest.stopped_by)
 
 
 @dataclass
@@ -190,6 +192,7 @@ class Engine:
         self.eos_ids: tuple[int, ...] = ()
         self.registry: dict[str, RequestRecord] = {}
         self.last_rebuild: dict[str, Any] | None = None
+        self.pending_resplit = None  # rebuild.PendingResplit while a re-split is under way
         self.rebuild_timings: list[dict[str, Any]] = []
         self._loader_thread: threading.Thread | None = None
 
@@ -493,6 +496,7 @@ class Engine:
                 item = await record.queue.get()
                 if item is _CANCELLED:
                     finished = True
+                    record.finish_reason = "cancelled"
                     yield Step([], True, "cancelled")
                     return
                 tokens = item.generated_tokens
@@ -501,18 +505,21 @@ class Engine:
                 seen = len(tokens)
                 if item.error is not None:
                     finished = True
+                    record.finish_reason, record.stopped_by = "error", "error"
                     raise EngineUnavailable("failed", f"generation failed: {item.error}")
                 if item.is_finished():
                     finished = True
                     ended_by_eos = not record.sampling.ignore_eos and tokens and tokens[-1] in self.eos_ids
-                    reason = "stop" if ended_by_eos else "length"
-                    yield Step(new, True, reason)
+                    record.finish_reason = "stop" if ended_by_eos else "length"
+                    yield Step(new, True, record.finish_reason)
                     return
                 if new:
                     yield Step(new, False)
         finally:
             if not finished:
                 runner.cancel(record.id)
+                if record.finish_reason is None:  # left early with no stop string: the client went
+                    record.finish_reason, record.stopped_by = "cancelled", record.stopped_by or "client"
             record.done = True
             record.cached_tokens = runner.cached_tokens(record.id)
             runner.forget(record.id)
@@ -535,7 +542,8 @@ class Engine:
         self.telemetry.tokens(new)
 
     def release(self, record: RequestRecord) -> None:
-        """The reply is over: the request leaves the registry and its tokens join the totals."""
+        """The reply is over: the request leaves the registry, its tokens join the totals, and
+        it joins the history of finished requests."""
         with self.lock:
             if self.registry.pop(record.id, None) is None:
                 return
@@ -543,6 +551,12 @@ class Engine:
             prompt_tokens=record.prompt_tokens,
             completion_tokens=record.generated,
             cached_tokens=record.cached_tokens,
+        )
+        self.telemetry.record_finished(
+            request_id=record.id, model=self.model_id(), prompt_tokens=record.prompt_tokens,
+            completion_tokens=record.generated, created=record.created, first_token_at=record.first_token_at,
+            finish_reason=record.finish_reason or ("cancelled" if record.cancelled else "stop"),
+            stopped_by=record.stopped_by,
         )
 
     def abandon(self, request_id: str) -> None:
@@ -552,22 +566,24 @@ class Engine:
         if record is None or record.done:
             return
         record.done = True
+        record.finish_reason, record.stopped_by = "cancelled", record.stopped_by or "client"
         if self.runner is not None:
             self.runner.cancel(request_id)
             record.cached_tokens = self.runner.cached_tokens(request_id)
         self.release(record)
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, *, by: str = "admin") -> bool:
         """End one request now, at any point (prefill included); returns whether it was in flight.
 
         The batch loop frees its pages at the next step boundary; the request's reply ends
-        with ``finish_reason: "cancelled"``.
+        with ``finish_reason: "cancelled"``; ``by`` is recorded as who stopped it.
         """
         with self.lock:
             record = self.registry.get(request_id)
         if record is None or record.done:
             return False
         record.cancelled = True
+        record.stopped_by = record.stopped_by or by
         if self.runner is not None:
             self.runner.cancel(request_id)
         record.queue.put_nowait(_CANCELLED)
@@ -699,6 +715,7 @@ class Engine:
             "requests": rows,
             "footprint": footprint.to_wire() if footprint is not None else None,
             "last_rebuild": self.last_rebuild,
+            "rebuild_progress": None if self.pending_resplit is None else self.pending_resplit.progress(),
         }
 
     def shutdown(self) -> None:

@@ -43,7 +43,7 @@ async def prepare_stop(
         with engine.lock:
             ids = [rid for rid, rec in engine.registry.items() if not rec.done]
         for rid in ids:
-            aborted += engine.cancel(rid)
+            aborted += engine.cancel(rid, by="stop")
         await engine.wait_idle(
             DEFAULT_ABORT_TIMEOUT_S if abort_timeout_s is None else max(abort_timeout_s, 0.0)
         )

@@ -12,10 +12,13 @@ import collections
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from moetray.policy.footprint import Footprint, ProbeCache, probe_footprint
+from moetray.policy.wire import REQUEST_HISTORY
 
 TTFT_SAMPLES = 512
 
@@ -38,8 +41,10 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 class Telemetry:
     """Counters and windows fed by the request path; read by the snapshot builder."""
 
-    def __init__(self, clock: Callable[[], float], *, window_s: float = 10.0) -> None:
+    def __init__(self, clock: Callable[[], float], *, window_s: float = 10.0,
+                 wall: Callable[[], float] = time.time) -> None:
         self._clock = clock
+        self._wall = wall
         self.window_s = window_s
         self._lock = threading.Lock()
         self._token_events: collections.deque[tuple[float, int]] = collections.deque()
@@ -49,6 +54,7 @@ class Telemetry:
         self.completion_tokens_total = 0
         self.cached_prompt_tokens_total = 0
         self._footprint = ProbeCache(0.5, clock)
+        self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=REQUEST_HISTORY)
 
     def tokens(self, n: int) -> None:
         """``n`` tokens were generated just now."""
@@ -70,6 +76,31 @@ class Telemetry:
             self.prompt_tokens_total += prompt_tokens
             self.completion_tokens_total += completion_tokens
             self.cached_prompt_tokens_total += cached_tokens
+
+    def record_finished(self, *, request_id: str, model: str | None, prompt_tokens: int,
+                        completion_tokens: int, created: float, first_token_at: float | None,
+                        finish_reason: str, stopped_by: str | None) -> dict[str, Any]:
+        """Add one ``wire.FinishedRequest`` row to the history (the last ``REQUEST_HISTORY`` are kept).
+
+        Times are readings of this telemetry's clock; the decode speed counts the tokens after
+        the first over the time after it, and is ``None`` with fewer than two tokens.
+        """
+        now = self._clock()
+        ttft_ms = None if first_token_at is None else round((first_token_at - created) * 1000.0, 3)
+        span = None if first_token_at is None else now - first_token_at
+        tok_s = (round((completion_tokens - 1) / span, 3)
+                 if span is not None and span > 0 and completion_tokens > 1 else None)
+        row = {"id": request_id, "finished_at": round(self._wall(), 3), "model": model,
+               "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "ttft_ms": ttft_ms,
+               "tok_s": tok_s, "finish_reason": finish_reason, "stopped_by": stopped_by}
+        with self._lock:
+            self._history.append(row)
+        return row
+
+    def history(self) -> list[dict[str, Any]]:
+        """The finished requests kept, newest first (copies)."""
+        with self._lock:
+            return [dict(r) for r in reversed(self._history)]
 
     def _trim(self, now: float) -> None:
         horizon = now - self.window_s

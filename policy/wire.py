@@ -85,7 +85,9 @@ REFUSALS: dict[str, Refusal] = {
     "below_floor": Refusal(400, Retry.NEVER, "That pool size is below its minimum."),
     "no_such_pool": Refusal(400, Retry.NEVER, "This model has no such pool."),
     "too_large": Refusal(400, Retry.NEVER, "Those pool sizes do not fit in the memory budget."),
-    "idle_timeout": Refusal(503, Retry.NOW, "Requests did not finish in time; nothing was changed."),
+    "idle_timeout": Refusal(503, Retry.NOW, "Requests were still running at the deadline; nothing changed."),
+    "rebuild_cancelled": Refusal(409, Retry.NEVER, "The re-split was cancelled; nothing changed."),
+    "not_waiting": Refusal(409, Retry.NEVER, "No re-split is waiting for running requests."),
     "rebuild_timed_out": Refusal(503, Retry.LATER, "The re-split is still running; it settles on its own."),
     # Rebuild outcomes that are not success.
     "rejected_intact": Refusal(409, Retry.LATER, "The re-split failed before any pool was freed."),
@@ -267,7 +269,9 @@ class RebuildResult(TypedDict):
     200 when ``outcome`` is ``"applied"``. Any other outcome is an error body
     (``error_body(kind, message, **result)``) carrying these same fields inside ``error``,
     so a refusal still says what the sizes are now. ``after`` equals ``before`` unless
-    the change was applied.
+    the change was applied. Durations are wall time: ``elapsed_ms`` the whole call,
+    ``waited_ms`` waiting for running requests, ``applied_ms`` changing the pools (``None``
+    when that step never ran).
     """
 
     outcome: RebuildOutcomeName
@@ -275,6 +279,48 @@ class RebuildResult(TypedDict):
     after: PoolSizesBody
     prefix_cache_invalidated: bool
     elapsed_ms: float
+    waited_ms: float
+    applied_ms: float | None
+
+
+class RebuildProgress(TypedDict):
+    """A re-split in progress (``StatusSnapshot.rebuild_progress``): what it waits for.
+
+    ``stage`` is ``waiting`` (for ``running`` requests to finish, ``waited_s`` of at most
+    ``timeout_s`` so far) or ``applying``; ``held`` counts requests that arrived meanwhile
+    and wait for the gate to reopen.
+    """
+
+    stage: Literal["waiting", "applying"]
+    running: int
+    waited_s: float
+    timeout_s: float
+    held: int
+
+
+class FinishedRequest(TypedDict):
+    """One row of `GET /admin/requests/history` (``{"requests": [...], "capacity": N}``, newest first).
+
+    ``finished_at`` is seconds since the epoch; ``ttft_ms`` and ``tok_s`` (decode speed after
+    the first token) are ``None`` when unknown (no token, or one). ``finish_reason`` is
+    ``stop`` / ``length`` / ``cancelled`` / ``error``; ``stopped_by`` says who ended it early:
+    ``client`` (went away), ``admin`` (a Stop: dashboard or API), ``stop`` (the engine
+    stopping), ``resplit`` (Stop them and apply), or ``None`` when it ran to its end.
+    """
+
+    id: str
+    finished_at: float
+    model: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_ms: float | None
+    tok_s: float | None
+    finish_reason: str
+    stopped_by: str | None
+
+
+REQUEST_HISTORY = 200
+"""How many finished requests the engine keeps for `GET /admin/requests/history`."""
 
 
 class StatusSnapshot(TypedDict):
@@ -289,3 +335,4 @@ class StatusSnapshot(TypedDict):
     requests: list[ActiveRequest]
     footprint: Footprint | None  # the engine process; None where unmeasurable
     last_rebuild: NotRequired[RebuildResult | None]  # the last rebuild's result
+    rebuild_progress: NotRequired[RebuildProgress | None]  # a re-split under way, else None

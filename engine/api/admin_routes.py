@@ -1,4 +1,5 @@
-"""The admin routes: health, status, events, requests, cancel, rebuild and prepare-stop.
+"""The admin routes: health, status, events, requests (live and finished), cancel, rebuild (with
+stop-running and cancel for a re-split waiting on requests) and prepare-stop.
 
 ``/health`` needs no token (the tray polls it while the model loads); every ``/admin/*``
 route needs the admin bearer token (checked by the server's middleware). Shapes follow
@@ -18,10 +19,24 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from moetray.engine.api.errors import ApiError
 from moetray.engine.core import Engine
-from moetray.engine.rebuild import TXN_TIMEOUT_S, run_rebuild
+from moetray.engine.rebuild import (
+    TXN_TIMEOUT_S,
+    RebuildWaitRefused,
+    cancel_resplit,
+    run_rebuild,
+    stop_running_for_resplit,
+)
 from moetray.engine.stop import prepare_stop
 from moetray.policy.outbox import FileOutbox
-from moetray.policy.wire import EVENTS_INTERVAL_S, RETRY_AFTER_S, SNAPSHOT_EVENT, Retry
+from moetray.policy.wire import (
+    EVENTS_INTERVAL_S,
+    REQUEST_HISTORY,
+    RETRY_AFTER_S,
+    SNAPSHOT_EVENT,
+    Retry,
+    error_body,
+    refusal_for,
+)
 
 
 class RebuildBody(BaseModel):
@@ -72,9 +87,13 @@ def build_router(
     async def requests() -> dict[str, Any]:
         return {"requests": engine.active_requests()}
 
+    @router.get("/admin/requests/history")
+    async def request_history() -> dict[str, Any]:
+        return {"requests": engine.telemetry.history(), "capacity": REQUEST_HISTORY}
+
     @router.post("/admin/requests/{request_id}/cancel")
     async def cancel(request_id: str) -> dict[str, Any]:
-        if not engine.cancel(request_id):
+        if not engine.cancel(request_id, by="admin"):
             raise ApiError("not_found", f"no request {request_id!r} is in flight")
         return {"id": request_id, "cancelled": True}
 
@@ -90,6 +109,21 @@ def build_router(
         if status_code in (409, 503) and payload.get("error", {}).get("retry") == Retry.NOW.value:
             headers = {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(payload, status_code=status_code, headers=headers)
+
+    @router.post("/admin/cache/rebuild/stop-running")
+    async def rebuild_stop_running():
+        try:
+            return {"stopped": stop_running_for_resplit(engine)}
+        except RebuildWaitRefused as exc:
+            return JSONResponse(error_body(exc.kind, str(exc)), status_code=refusal_for(exc.kind).status)
+
+    @router.post("/admin/cache/rebuild/cancel")
+    async def rebuild_cancel():
+        try:
+            cancel_resplit(engine)
+        except RebuildWaitRefused as exc:
+            return JSONResponse(error_body(exc.kind, str(exc)), status_code=refusal_for(exc.kind).status)
+        return {"cancelled": True}
 
     @router.post("/admin/prepare-stop")
     async def stop(body: StopBody | None = None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from moetray.engine.budget import MAX_TOKENS_CEILING
 from moetray.engine.cb import Sampling
 from moetray.engine.chat import ChatDelta, TextStream
 from moetray.engine.core import Engine, RequestRecord
+from moetray.engine.rebuild import hold_for_resplit
 from moetray.policy.parser import CallArguments, CallEnd, CallStart
 
 # --- request models ---------------------------------------------------------------------------
@@ -149,7 +150,7 @@ async def _watch_disconnect(request: Request, engine: Engine, request_id: str) -
     while True:
         await asyncio.sleep(0.2)
         if await request.is_disconnected():
-            engine.cancel(request_id)
+            engine.cancel(request_id, by="client")
             return
 
 
@@ -176,7 +177,7 @@ class _Run:
             async for step in steps:
                 delta = self.text.push(step.tokens)
                 if self.text.stopped is not None:
-                    self.finish_reason = "stop"
+                    self.finish_reason = self.record.finish_reason = "stop"
                     yield self._merge(delta, self.text.finish())
                     return  # closing the step stream cancels the request and frees its pages
                 if step.finished:
@@ -254,6 +255,7 @@ def build_router(engine: Engine) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
+        await hold_for_resplit(engine)  # a re-split under way: wait for it, not a refusal
         chat = engine.chat_support()
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -288,6 +290,7 @@ def build_router(engine: Engine) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        await hold_for_resplit(engine)
         chat = engine.chat_support()
         if body.echo:
             raise ApiError("invalid_request_error", "echo is not supported", param="echo")

@@ -71,7 +71,7 @@ def test_kv_resplit_applies_without_reloading_and_invalidates_the_prefix_cache(e
     assert result["before"] == {"moe_slots": 16, "kv_pages": 128, "kv_tokens": 2048}
     assert result["after"] == {"moe_slots": 16, "kv_pages": 64, "kv_tokens": 1024}
     assert result["prefix_cache_invalidated"] is True
-    assert result["elapsed_ms"] > 0
+    assert result["elapsed_ms"] > 0 and result["applied_ms"] > 0 and result["waited_ms"] >= 0
     assert sizes(eng) == (16, 64)
     assert eng.engine.loaded.model is model  # no weight reload
     assert eng.status()["last_rebuild"] == result
@@ -204,30 +204,29 @@ def test_rebuild_before_the_model_loaded_is_not_ready(tiny_qwen3, start_engine):
     assert httpx.get(f"{engine.url}/health").json()["state"] == "loading"
 
 
-def _post_with_retry(url: str, body: dict, log: list) -> dict:
-    """What a well-behaved client does: retry a 503 after Retry-After, never give up on "now"."""
-    while True:
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-        if r.status_code == 503:
-            assert r.json()["error"]["kind"] == "rebuilding"
-            assert r.json()["error"]["retry"] == "now"
-            log.append(float(r.headers["Retry-After"]))
-            time.sleep(0.05)
-            continue
-        assert r.status_code == 200, r.text
-        return r.json()
+def _post(url: str, body: dict, log: list) -> dict:
+    """A client that never retries: during a re-split its request must be held, not refused."""
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    log.append(r.status_code)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
-def test_rebuild_under_load_waits_refuses_new_work_with_retry_after_and_changes_no_output(slow):
-    """In-flight requests finish, arrivals get 503 + Retry-After, nothing fails, outputs are unchanged."""
+def _state(engine: LiveEngine) -> str:
+    return httpx.get(f"{engine.url}/health").json()["state"]
+
+
+def test_rebuild_under_load_holds_new_work_until_it_applies_and_changes_no_output(slow):
+    """In-flight requests finish, arrivals wait at the gate (no 503) and go on once it reopens,
+    nothing fails, outputs are unchanged, and the reply's durations are the wall time."""
     prompts = [f"load test prompt {i}" for i in range(4)]
     baseline = {p: greedy(slow, p, n=12) for p in prompts}
     results: dict[str, str] = {}
-    retries: list[float] = []
+    statuses: list[int] = []
 
     def worker(p):
         body = {"messages": [{"role": "user", "content": p}], "max_tokens": 12, "temperature": 0}
-        results[p] = _post_with_retry(slow.url, body, retries)["choices"][0]["message"]["content"]
+        results[p] = _post(slow.url, body, statuses)["choices"][0]["message"]["content"]
 
     inflight = [threading.Thread(target=worker, args=(p,)) for p in prompts[:2]]
     for t in inflight:
@@ -237,20 +236,136 @@ def test_rebuild_under_load_waits_refuses_new_work_with_retry_after_and_changes_
         assert time.monotonic() < deadline
         time.sleep(0.005)
     answer: dict = {}
-    rb = threading.Thread(target=lambda: answer.setdefault("r", rebuild(slow, kv_tokens=1024)))
+
+    def resplit():
+        began = time.perf_counter()
+        answer["r"] = rebuild(slow, kv_tokens=1024)
+        answer["wall_ms"] = (time.perf_counter() - began) * 1000.0
+
+    hold = threading.Event()  # the transaction waits here, so the late arrivals surely meet the gate
+    slow.engine.faults.hold = hold
+    rb = threading.Thread(target=resplit)
     rb.start()
-    while httpx.get(f"{slow.url}/health").json()["state"] != "rebuilding":
-        time.sleep(0.002)
-    late = [threading.Thread(target=worker, args=(p,)) for p in prompts[2:]]
-    for t in late:
-        t.start()
+    try:
+        while _state(slow) != "rebuilding":
+            time.sleep(0.002)
+        late = [threading.Thread(target=worker, args=(p,)) for p in prompts[2:]]
+        for t in late:
+            t.start()
+        deadline = time.monotonic() + 30
+        while ((slow.status().get("rebuild_progress") or {}).get("held") or 0) < 2:
+            assert time.monotonic() < deadline, "the late requests were never held"
+            time.sleep(0.005)
+    finally:
+        hold.set()
     for t in [*inflight, rb, *late]:
         t.join(timeout=120)
-    assert answer["r"].status_code == 200 and answer["r"].json()["outcome"] == "applied"
-    assert retries and all(r >= 1 for r in retries)
+    result = answer["r"].json()
+    assert answer["r"].status_code == 200 and result["outcome"] == "applied"
+    assert statuses == [200, 200, 200, 200]  # nobody was refused
     assert results == baseline
     assert sizes(slow)[1] == 64
+    # Durations are the true wall time: the wait for the two requests, then the change
+    # (held by the test, so it cannot read as 0 ms).
+    assert result["waited_ms"] > 0 and result["applied_ms"] > 0
+    assert result["elapsed_ms"] >= result["waited_ms"] + result["applied_ms"] * 0.99
+    assert result["elapsed_ms"] <= answer["wall_ms"]
+    assert slow.status()["rebuild_progress"] is None
     assert rebuild(slow, kv_tokens=2048).status_code == 200
+
+
+def _long_request(engine: LiveEngine, tokens: int = 60) -> tuple[threading.Thread, dict]:
+    from test_openai_routes import noise_tokens
+
+    done: dict = {}
+    body = {
+        "messages": [{"role": "user", "content": "long"}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "moetray_test_forced_tokens": noise_tokens(tokens),
+    }
+    t = threading.Thread(
+        target=lambda: done.setdefault(
+            "r", httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=120)
+        )
+    )
+    t.start()
+    while not engine.status()["requests"]:
+        time.sleep(0.005)
+    return t, done
+
+
+WAIT_S = 3.0
+"""How long the waiting re-splits below wait before the test acts: long enough that the HTTP
+round trip is small beside it, so reported durations can be held to 25 % of the wall time."""
+
+
+def _waited(engine: LiveEngine, seconds: float) -> dict:
+    """Until the engine's own snapshot says the re-split has waited ``seconds``; returns it."""
+    deadline = time.monotonic() + seconds + 60
+    while True:
+        progress = engine.status().get("rebuild_progress") or {}
+        if progress.get("stage") == "waiting" and progress["waited_s"] >= seconds:
+            return progress
+        assert time.monotonic() < deadline, f"the re-split never waited {seconds} s: {progress}"
+        time.sleep(0.05)
+
+
+def _resplit_in_thread(engine: LiveEngine, **body) -> tuple[threading.Thread, dict]:
+    answer: dict = {}
+
+    def go():
+        began = time.perf_counter()
+        answer["r"] = httpx.post(f"{engine.url}{REBUILD}", headers=ADMIN, json=body, timeout=120)
+        answer["wall_ms"] = (time.perf_counter() - began) * 1000.0
+
+    t = threading.Thread(target=go)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not (engine.status().get("rebuild_progress") or {}).get("stage") == "waiting":
+        assert time.monotonic() < deadline, "the re-split never started waiting"
+        time.sleep(0.005)
+    return t, answer
+
+
+def test_a_waiting_resplit_shows_its_progress_and_stop_them_and_apply_applies_it(slow):
+    before = sizes(slow)
+    long, done = _long_request(slow, tokens=900)
+    rb, answer = _resplit_in_thread(slow, kv_tokens=1024, idle_timeout_s=60)
+    progress = _waited(slow, WAIT_S)
+    assert progress["running"] == 1 and progress["timeout_s"] == 60
+    r = httpx.post(f"{slow.url}{wire.route_path('rebuild_stop_running')}", headers=ADMIN, timeout=30)
+    assert r.status_code == 200 and len(r.json()["stopped"]) == 1
+    rb.join(timeout=120)
+    long.join(timeout=120)
+    result = answer["r"].json()
+    assert answer["r"].status_code == 200 and result["outcome"] == "applied", result
+    assert result["after"]["kv_pages"] == 64 != before[1]
+    assert done["r"].json()["choices"][0]["finish_reason"] == "cancelled"
+    history = httpx.get(f"{slow.url}{wire.route_path('request_history')}", headers=ADMIN).json()
+    assert history["requests"][0]["stopped_by"] == "resplit"
+    assert 0.75 * answer["wall_ms"] <= result["elapsed_ms"] <= answer["wall_ms"]
+    assert result["waited_ms"] >= WAIT_S * 1000 and result["applied_ms"] is not None
+
+
+def test_cancel_ends_a_waiting_resplit_and_nothing_changes(slow):
+    before = sizes(slow)
+    long, done = _long_request(slow, tokens=900)
+    rb, answer = _resplit_in_thread(slow, kv_tokens=1024, idle_timeout_s=60)
+    _waited(slow, WAIT_S)
+    r = httpx.post(f"{slow.url}{wire.route_path('rebuild_cancel')}", headers=ADMIN, timeout=30)
+    assert r.status_code == 200 and r.json() == {"cancelled": True}
+    rb.join(timeout=120)
+    err = answer["r"].json()["error"]
+    assert answer["r"].status_code == 409 and err["kind"] == "rebuild_cancelled"
+    assert err["outcome"] == "rejected_intact" and err["applied_ms"] is None
+    assert "nothing changed" in err["message"]
+    assert 0.75 * answer["wall_ms"] <= err["elapsed_ms"] <= answer["wall_ms"]
+    assert sizes(slow) == before and slow.status()["state"] == "serving"
+    long.join(timeout=120)
+    assert done["r"].json()["choices"][0]["finish_reason"] == "length"  # the request went on
+    again = httpx.post(f"{slow.url}{wire.route_path('rebuild_cancel')}", headers=ADMIN, timeout=30)
+    assert again.status_code == 409 and again.json()["error"]["kind"] == "not_waiting"
 
 
 def test_idle_wait_times_out_and_leaves_everything_as_it_was(slow):
@@ -273,12 +388,19 @@ def test_idle_wait_times_out_and_leaves_everything_as_it_was(slow):
     while not slow.status()["requests"]:
         time.sleep(0.005)
     before = sizes(slow)
+    began = time.perf_counter()
     r = httpx.post(
         f"{slow.url}{REBUILD}", headers=ADMIN, json={"kv_tokens": 1024, "idle_timeout_s": 0.2}, timeout=30
     )
+    wall_ms = (time.perf_counter() - began) * 1000.0
     assert r.status_code == 503
-    assert r.json()["error"]["kind"] == "idle_timeout"
+    err = r.json()["error"]
+    assert err["kind"] == "idle_timeout"
     assert r.headers["Retry-After"] == "1"
+    # In plain words, with the true wall time (not "in 0 ms").
+    assert err["message"] == "1 request was still running after 0.2 s; nothing changed."
+    assert err["waited_ms"] >= 200 and err["applied_ms"] is None
+    assert 200 <= err["elapsed_ms"] <= wall_ms
     assert sizes(slow) == before
     assert slow.status()["state"] == "serving"
     t.join(timeout=120)
