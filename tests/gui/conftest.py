@@ -33,11 +33,12 @@ def dashboard_engine(tiny_model, tmp_path_factory):
     small pools.
 
     ``--budget-bytes`` keeps the pools small enough that the slider's range is a real
-    trade; ``--rebuild-idle-timeout`` keeps a re-split refused under load quick.
+    trade; ``--rebuild-idle-timeout`` leaves a re-split under load waiting long enough for
+    the tests to press Stop them and apply, or Cancel.
     """
     engine = start_engine(tiny_model, tmp_path_factory.mktemp("dash-engine"),
                           "--moe-capacity", "10", "--budget-bytes", str(4 * 1024 * 1024),
-                          "--link-gbps", SLOW_LINK_GBPS, "--rebuild-idle-timeout", "1.0")
+                          "--link-gbps", SLOW_LINK_GBPS, "--rebuild-idle-timeout", "60")
     yield engine
     engine.close()
 

@@ -13,7 +13,7 @@ from live import StreamingChat, run_async
 from PySide6.QtCore import Qt
 
 from moetray.app.application import AppOptions, MoetrayApp
-from moetray.app.settings import Settings
+from moetray.app.settings import SETTINGS_FILE, Settings
 from moetray.ui.charts import empty_cell
 from moetray.ui.viewmodels import EngineState
 
@@ -31,7 +31,7 @@ def _pump_until(qapp, task, timeout_s=60.0):
 
 @pytest.fixture(scope="module")
 def app(qapp, qloop, dashboard_engine, tmp_path_factory):
-    settings = Settings.at(tmp_path_factory.mktemp("dash-settings") / "moetray.conf")
+    settings = Settings.at(tmp_path_factory.mktemp("dash-settings") / SETTINGS_FILE)
     app = MoetrayApp(qapp, settings, AppOptions(attach=dashboard_engine.url,
                                                 admin_token=dashboard_engine.token, no_tray=True))
     app.initialize()
@@ -133,14 +133,14 @@ def test_apply_changes_the_engines_pool_sizes_and_shows_the_outcome(app, window,
                     timeout=WAIT_MS)
     outcome = app.model.pools.outcome
     assert outcome.outcome == "applied", outcome.text()
-    assert view.outcome_text.startswith("Applied") and f"→ {target} slots" in view.outcome_text
+    assert view.outcome_text.startswith("Applied") and f"→ {target} expert slots" in view.outcome_text
     after = dashboard_engine.status()["pools"]
     assert (after["moe_slots"], after["kv_pages"]) == (selection.moe_slots, selection.kv_pages)
     assert outcome.before.moe_slots == before["moe_slots"]
 
 
-def test_apply_while_busy_is_rejected_intact_with_the_engines_reason(app, window, dashboard_engine,
-                                                                     idle, qtbot):
+def _apply_while_busy(app, window, dashboard_engine, qtbot):
+    """A long chat runs; Apply is clicked; returns once the panel says what the re-split waits for."""
     window.show_tab("Pools")
     view = window.pools
     qtbot.waitUntil(lambda: app.model.pools.enabled, timeout=WAIT_MS)
@@ -150,10 +150,52 @@ def test_apply_while_busy_is_rejected_intact_with_the_engines_reason(app, window
     qtbot.waitUntil(lambda: len(dashboard_engine.request_ids()) == 1, timeout=WAIT_MS)
     view.slider.setValue(_other_end(before))
     qtbot.mouseClick(view.apply_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: app.model.pools.outcome is not None and not app.model.pools.applying
-                    and app.model.pools.outcome.kind is not None, timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: view.stop_running_button.isVisible(), timeout=WAIT_MS)
+    assert view.outcome_text.startswith("Waiting for 1 running request… (")
+    assert view.outcome_text.endswith(" of 60 s)")
+    assert view.cancel_button.isVisible()
+    return view, before, chat
+
+
+def test_stop_them_and_apply_stops_the_running_request_and_applies(app, window, dashboard_engine, idle,
+                                                                   qtbot):
+    view, before, chat = _apply_while_busy(app, window, dashboard_engine, qtbot)
+    qtbot.mouseClick(view.stop_running_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: not app.model.pools.applying, timeout=WAIT_MS)
     outcome = app.model.pools.outcome
-    assert outcome.outcome == "rejected_intact", outcome.text()
-    assert outcome.message and outcome.message in view.outcome_text  # the engine's words, verbatim
+    assert outcome.outcome == "applied", outcome.text()
+    assert view.outcome_text.startswith("Applied: ") and "waiting" in view.outcome_text
+    assert outcome.waited_ms is not None and outcome.applied_ms is not None
+    qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
+    assert chat.finish_reason == "cancelled" and chat.chunks < 400
+    after = dashboard_engine.status()["pools"]
+    assert (after["moe_slots"], after["kv_pages"]) != (before["moe_slots"], before["kv_pages"])
+    assert not view.stop_running_button.isVisible()
+
+
+def test_cancel_a_waiting_apply_changes_nothing_and_the_request_goes_on(app, window, dashboard_engine,
+                                                                        idle, qtbot):
+    view, before, chat = _apply_while_busy(app, window, dashboard_engine, qtbot)
+    qtbot.mouseClick(view.cancel_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: not app.model.pools.applying, timeout=WAIT_MS)
+    outcome = app.model.pools.outcome
+    assert (outcome.outcome, outcome.kind) == ("rejected_intact", "rebuild_cancelled")
+    assert view.outcome_text == outcome.message and "nothing changed" in view.outcome_text
     after = dashboard_engine.status()["pools"]
     assert (after["moe_slots"], after["kv_pages"]) == (before["moe_slots"], before["kv_pages"])
+    assert dashboard_engine.request_ids()  # still generating: Cancel stopped the re-split, not it
+    assert chat.error is None
+
+
+def test_the_history_table_shows_the_engines_finished_requests(app, window, dashboard_engine, idle, qtbot):
+    chat = StreamingChat(dashboard_engine, max_tokens=5, content="for the history")
+    chat.start()
+    qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
+    feed = dashboard_engine.get("request_history")["requests"]
+    window.show_tab("Requests")
+    table = window.requests.history_table
+    qtbot.waitUntil(lambda: table.rowCount() == len(feed) and table.rowCount() > 0, timeout=WAIT_MS)
+    newest = feed[0]
+    assert table.item(0, 0).toolTip() == newest["id"]
+    assert table.item(0, 3).text() == str(newest["completion_tokens"])
+    assert table.item(0, 6).text() == newest["finish_reason"]
