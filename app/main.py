@@ -79,6 +79,12 @@ def _read_token(path: str) -> str:
     return token
 
 
+def setup_logging() -> None:
+    """The tray logs to stderr (state changes, crashes, refusals), for a terminal or a bug report."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s moetray %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per 0.5 s health poll is noise
+
+
 def prepare(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Prepared:
     """Phase one: everything that needs no Qt. Refuses with :class:`PrepareRefused`."""
     env = os.environ if environ is None else environ
@@ -96,8 +102,7 @@ def prepare(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             token = _read_token(env[wire.ADMIN_TOKEN_FILE_ENV])
     elif args.token_file:
         raise PrepareRefused("--token-file only applies with --attach.")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s moetray %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per 0.5 s health poll is noise
+    setup_logging()
     return Prepared(args.hidden, args.attach, token, args.no_tray, args.settings)
 
 

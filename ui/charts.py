@@ -229,7 +229,7 @@ class ResidencyHeatmap(_Themed, pg.GraphicsLayoutWidget):
         self._map = _heat_map()
         self._lut = self._map.getLookupTable(0.0, 1.0, 256, alpha=True)
         self.scale = pg.ColorBarItem(values=(0.0, 1.0), colorMap=self._map, interactive=False,
-                                     label="steps since last use", width=14, colorMapMenu=False)
+                                     width=14, colorMapMenu=False)
         self.scale.axis.setTicks([[(warmth(age), text) for age, text in RECENCY_TICKS]])
         self.addItem(self.scale)
         self._empty = pg.TextItem(NO_DATA, anchor=(0.5, 0.5))

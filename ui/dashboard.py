@@ -114,7 +114,7 @@ class Header(QWidget):
 
     def _update(self) -> None:
         m = self.model
-        self.title.setText(m.model_label or m.model_id or ("Embedded demo model" if m.state in (
+        self.title.setText(m.model_label or m.model_id or ("Loading the model…" if m.state in (
             EngineState.LOADING,) else "No model loaded"))
         self.pill.set_pill(m.state.value, STATE_COLORS[m.state])
         label, enabled, why = serving_action(m.state, m.attached)

@@ -23,7 +23,7 @@ from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
 from moetray.app import compat
 from moetray.app.main import Prepared, start_app
-from moetray.app.settings import Settings
+from moetray.app.settings import SETTINGS_FILE, Settings
 from moetray.app.single_instance import SingleInstance, server_name
 from moetray.app.tray import menu_texts
 from moetray.ui.viewmodels import EngineState
@@ -92,7 +92,9 @@ def main(argv: list[str]) -> int:
     out_dir = Path(out)
     qapp = QApplication(sys.argv[:1])
     compat.prepare_qt(qapp)
-    settings = Settings.at(out_dir / "moetray.conf")
+    settings = Settings.at(out_dir / SETTINGS_FILE)
+    settings.serve_on_start = False  # the driver starts it, on the model it is given
+    settings.port = 0
     settings.engine_args = ["--budget-bytes", str(4 * 1024 * 1024), "--moe-capacity", "10",
                             "--link-gbps", "0.01"]
     single = SingleInstance(server_name(settings.path))
