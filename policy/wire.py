@@ -225,6 +225,8 @@ class ExpertStats(TypedDict):
     bytes_per_token: float | None
     backend: Literal["offload", "hybrid"]
     fetch_fraction: float | None  # q*: share of misses fetched, None when offload-only
+    expert_store_bytes: int  # host bytes the expert store holds (quantized blocks stay quantized)
+    expert_store_format: str  # what experts are stored as: "F32", "BF16", "Q4_K+Q6_K", "MXFP4+BF16", …
 
 
 class Throughput(TypedDict):

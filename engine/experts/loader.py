@@ -154,11 +154,7 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
                           f"{type(model).__name__} ({model_type}) keeps no experts behind transformers' "
                           "experts interface (use_experts_implementation); moetray cannot offload them",
                           model_type=model_type)
-    store_layers = [StoreLayer(index=i, module_name=name, num_experts=int(mod.num_experts),
-                               geometry=ExpertGeometry.from_module(mod))
-                    for i, (name, mod) in enumerate(experts)]
-    expert_param_keys = {f"{layer.module_name}.{seg.name}" for layer in store_layers
-                         for seg in layer.geometry.segments}
+    store_layers = store_layers_of(experts)
 
     rename = key_renamer(model)
     files = checkpoint_files(checkpoint_dir)
@@ -196,13 +192,36 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
                 state[model_key] = converted
                 done += 1
         report("loading non-expert weights", done, total)
-    result = model.load_state_dict(state, strict=False, assign=True)
+    assign_non_expert_weights(model, state, [mod for _, mod in experts], device)
     del state
+
+    report("building expert store", 0, len(store_layers))
+    store = ExpertStore.build(store_layers, dtype=dtype, pin=pin,
+                              progress=lambda d, t: report("building expert store", d, t))
+    return model, store, [mod for _, mod in experts]
+
+
+def store_layers_of(experts: list[tuple[str, torch.nn.Module]]) -> list[StoreLayer]:
+    """One :class:`StoreLayer` per Experts module, in MoE-layer order."""
+    return [StoreLayer(index=i, module_name=name, num_experts=int(mod.num_experts),
+                       geometry=ExpertGeometry.from_module(mod))
+            for i, (name, mod) in enumerate(experts)]
+
+
+def assign_non_expert_weights(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                              experts: list[torch.nn.Module], device: torch.device) -> None:
+    """Assign ``state`` (every non-expert tensor, by model key) to the meta skeleton, tie the
+    embeddings where the config says so, drop the Experts modules' weight parameters and move the
+    model to ``device``. Raises :class:`LoaderError` ``missing_weights`` when a non-expert
+    parameter is still on ``meta`` (nothing in the checkpoint filled it)."""
+    expert_param_keys = {f"{name}.{seg.name}" for name, mod in model.named_modules() if mod in experts
+                         for seg in ExpertGeometry.from_module(mod).segments}
+    result = model.load_state_dict(state, strict=False, assign=True)
     missing = set(result.missing_keys) - expert_param_keys
     if getattr(model.config, "tie_word_embeddings", False) or getattr(
             model.config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()
-    for _, mod in experts:
+    for mod in experts:
         for seg in ExpertGeometry.from_module(mod).segments:
             mod.register_parameter(seg.name, None)
     still_meta = sorted(n for n, p in model.named_parameters() if p.device.type == "meta")
@@ -211,11 +230,6 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
                           f"e.g. {still_meta[:3]} (missing {sorted(missing)[:3]})")
     model.to(device)
     model.eval()
-
-    report("building expert store", 0, len(store_layers))
-    store = ExpertStore.build(store_layers, dtype=dtype, pin=pin,
-                              progress=lambda d, t: report("building expert store", d, t))
-    return model, store, [mod for _, mod in experts]
 
 
 def load_resident_model(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
@@ -256,4 +270,4 @@ def _own_aligned_storage(model: torch.nn.Module) -> None:
                 module._parameters[name] = copies[id(param)]
 
 
-__all__ += ["ExpertStoreError", "load_skeleton_and_store"]
+__all__ += ["ExpertStoreError", "assign_non_expert_weights", "load_skeleton_and_store", "store_layers_of"]
