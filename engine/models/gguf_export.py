@@ -188,11 +188,12 @@ def _write_tokenizer(writer, tokenizer, text, arch: str) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def export_gguf(model_dir: str | Path, dest: str | Path, qtype: str = "F16", *,
+def export_gguf(model_dir: str | Path, dest: str | Path, qtype: str | Callable[[str], str] = "F16", *,
                 split_max_tensors: int = 0, blocks: Blocks | None = None,
                 output_weight: bool = False, gate_floor: float | None = None) -> list[Path]:
     """Write the Hugging Face MoE folder ``model_dir`` as GGUF at ``dest`` in ``qtype`` (a ggml type
-    name); returns the files written (several with ``split_max_tensors``: ``…-00001-of-0000N.gguf``).
+    name, or ``gguf name → type name`` for a mix such as Q4_K_M's); returns the files written
+    (several with ``split_max_tensors``: ``…-00001-of-0000N.gguf``).
 
     ``output_weight`` writes ``output.weight`` even for tied embeddings (llama.cpp's qwen2moe
     loader needs it); ``gate_floor`` replaces exactly-zero shared-expert gate weights with that tiny
@@ -208,7 +209,7 @@ def export_gguf(model_dir: str | Path, dest: str | Path, qtype: str = "F16", *,
     arch = ARCH_BY_MODEL_TYPE.get(config.model_type)
     if arch is None:
         raise ValueError(f"no GGUF export for model type {config.model_type!r}")
-    target = gguf.GGMLQuantizationType[qtype]
+    type_of = qtype if callable(qtype) else (lambda name: qtype)
     tensors = _tensors(model, config, arch)
     if output_weight and config.tie_word_embeddings:
         embed = next(v for n, v in tensors if n == "token_embd.weight")
@@ -217,11 +218,12 @@ def export_gguf(model_dir: str | Path, dest: str | Path, qtype: str = "F16", *,
         tensors = [(n, np.where(v == 0, np.float32(gate_floor), v) if "ffn_gate_inp_shexp" in n else v)
                    for n, v in tensors]
     file_type = {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9,
-                 "Q4_K": 15, "MXFP4": 38}.get(qtype, 1)
+                 "Q4_K": 15, "MXFP4": 38}.get(type_of("blk.0.ffn_up_exps.weight"), 1)
     dest.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(dest, arch, split_max_tensors=split_max_tensors)
     _write_metadata(writer, config, arch, tokenizer, file_type)
     for name, value in tensors:
+        target = gguf.GGMLQuantizationType[type_of(name)]
         stored, stored_type = _encode(name, np.ascontiguousarray(value), target, blocks)
         writer.add_tensor(name, stored, raw_dtype=stored_type)
     writer.write_header_to_file()
