@@ -45,8 +45,24 @@ __all__ = [
 Q = GGMLQuantizationType
 PLAIN_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 """ggml types that hold values, not blocks."""
-SUPPORTED_GGML_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K,
-                                  Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4})
+SUPPORTED_GGML_TYPES = frozenset(
+    {
+        Q.F32,
+        Q.F16,
+        Q.BF16,
+        Q.Q8_0,
+        Q.Q4_0,
+        Q.Q4_1,
+        Q.Q5_0,
+        Q.Q5_1,
+        Q.Q2_K,
+        Q.Q3_K,
+        Q.Q4_K,
+        Q.Q5_K,
+        Q.Q6_K,
+        Q.MXFP4,
+    }
+)
 """The tensor types moetray serves; any other is refused by name (``unsupported_quant_type``)."""
 
 
@@ -68,7 +84,7 @@ def ggml_nbytes(ggml_type: int, numel: int) -> int:
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -99,7 +115,9 @@ def _dequant_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     """GGUF MXFP4: one E8M0 exponent byte, then 16 bytes of E2M1 pairs; ggml halves the scale
     (``ggml_e8m0_to_fp32_half``) because its value table is doubled."""
     e = blocks[:, 0:1].to(torch.int32)
-    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=e.device) << e, (e - 1) << 23)
+    bits = torch.where(
+        e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=e.device) << e, (e - 1) << 23
+    )
     d = bits.view(torch.float32)
     table = torch.tensor(_E2M1_DOUBLED, dtype=torch.float32, device=blocks.device)
     return d * table[_nibbles(blocks[:, 1:17]).long()]
@@ -166,8 +184,8 @@ def fp8_block_decoder(rows: int, cols: int, block: tuple[int, int]) -> tuple[Dec
     srows, scols = -(-rows // br), -(-cols // bc)
 
     def decode(raw: torch.Tensor) -> torch.Tensor:
-        weight = raw[:rows * cols].view(torch.float8_e4m3fn).view(rows, cols).float()
-        scale = raw[rows * cols:].view(torch.float32).view(srows, scols)
+        weight = raw[: rows * cols].view(torch.float8_e4m3fn).view(rows, cols).float()
+        scale = raw[rows * cols :].view(torch.float32).view(srows, scols)
         scale = scale.repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]
         return weight * scale
 
@@ -202,7 +220,7 @@ class RowCodec:
         """Decode the encoded ``row`` (``uint8``, on any device) into ``out`` (the packed row, same
         device). Padding between segments is left as it is (zeros in a fresh pool row)."""
         for part in self.parts:
-            values = part.decode(row[part.src:part.src + part.nbytes])
+            values = part.decode(row[part.src : part.src + part.nbytes])
             part.place(out, values.to(out.dtype))
 
     def decode(self, row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -238,7 +256,7 @@ class EncodedRow:
 
     def decode_into(self, out: torch.Tensor, *, non_blocking: bool = False) -> None:
         """Move the stored bytes to ``out``'s device and decode them into ``out``."""
-        src = self.data[:self.codec.stored_bytes]
+        src = self.data[: self.codec.stored_bytes]
         if src.device != out.device:
             src = src.to(out.device, non_blocking=non_blocking)
         self.codec.decode_into(src, out)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
-from transformers.integrations.gguf.dequant import GGML_BLOCK, _DEQUANT
+from transformers.integrations.gguf.dequant import _DEQUANT, GGML_BLOCK
 from transformers.integrations.moe import (
     ALL_EXPERTS_FUNCTIONS,
     ExpertsInterface,

@@ -341,8 +341,9 @@ class QuantizedExpertStore(ExpertStore):
         super().__init__(layers, banks, dtype, pinned)
         for layer, codec in zip(self.layers, self.codecs, strict=True):
             if codec.decoded_numel != layer.geometry.row_numel:
-                raise ExpertStoreError("shape_mismatch", f"{layer.module_name}: experts decode to "
-                                       f"{codec.decoded_numel} values, the module holds {layer.geometry.row_numel}")
+                raise ExpertStoreError("shape_mismatch",
+                                       f"{layer.module_name}: experts decode to {codec.decoded_numel} "
+                                       f"values, the module holds {layer.geometry.row_numel}")
 
     @classmethod
     def build_quantized(cls, layers: Sequence[StoreLayer], codecs: Sequence[RowCodec], read_part, *,
@@ -360,8 +361,10 @@ class QuantizedExpertStore(ExpertStore):
             for index, part in enumerate(codec.parts):
                 data = read_part(layer.index, index)
                 if tuple(data.shape) != (layer.num_experts, part.nbytes):
-                    raise ExpertStoreError("shape_mismatch", f"{layer.module_name} part {index} ({part.label}): "
-                                           f"{tuple(data.shape)} bytes, expected {(layer.num_experts, part.nbytes)}")
+                    want = (layer.num_experts, part.nbytes)
+                    raise ExpertStoreError("shape_mismatch",
+                                           f"{layer.module_name} part {index} ({part.label}): "
+                                           f"{tuple(data.shape)} bytes, expected {want}")
                 bank[:, part.src:part.src + part.nbytes].copy_(data)
             banks.append(bank)
             if progress is not None:

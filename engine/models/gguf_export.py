@@ -52,14 +52,16 @@ def encode_q4_k(values: np.ndarray) -> np.ndarray:
     scales[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
     qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(n, 128)
-    blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qs],
-                            axis=1)
+    blocks = np.concatenate(
+        [d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qs], axis=1
+    )
     return blocks.reshape(*values.shape[:-1], values.shape[-1] // 256 * 144)
 
 
 def _encode(name: str, array: np.ndarray, qtype, blocks: Blocks | None) -> tuple[np.ndarray, object]:
     """``(stored array, ggml type)`` for one tensor written as ``qtype`` (with the converter's fallbacks)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, quants
+    from gguf import GGML_QUANT_SIZES, quants
+    from gguf import GGMLQuantizationType as Q
 
     if array.ndim < 2 or name.endswith("ffn_gate_inp.weight"):
         return array.astype(np.float32), Q.F32
@@ -84,8 +86,11 @@ def _permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndar
     """llama.cpp's converter's Q/K permutation (its rope pairs dimensions differently)."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def _tensors(model, config, arch: str):
@@ -93,8 +98,10 @@ def _tensors(model, config, arch: str):
     import gguf
 
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[{"qwen2moe": "QWEN2MOE", "qwen3moe": "QWEN3MOE",
-                                                      "llama": "LLAMA"}[arch]], config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH[{"qwen2moe": "QWEN2MOE", "qwen3moe": "QWEN3MOE", "llama": "LLAMA"}[arch]],
+        config.num_hidden_layers,
+    )
     out: list[tuple[str, np.ndarray]] = []
     for key, value in sd.items():
         if config.tie_word_embeddings and key == "lm_head.weight":
@@ -162,7 +169,9 @@ def _write_tokenizer(writer, tokenizer, text, arch: str) -> None:
     vocab = tokenizer.get_vocab()
     size = max(text.vocab_size, max(vocab.values()) + 1)
     by_id = {i: t for t, i in vocab.items()}
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+    }
     tokens, types = [], []
     for i in range(size):
         token = by_id.get(i)
@@ -179,8 +188,11 @@ def _write_tokenizer(writer, tokenizer, text, arch: str) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    for setter, value in ((writer.add_bos_token_id, text.bos_token_id), (writer.add_eos_token_id, text.eos_token_id),
-                          (writer.add_pad_token_id, text.pad_token_id)):
+    for setter, value in (
+        (writer.add_bos_token_id, text.bos_token_id),
+        (writer.add_eos_token_id, text.eos_token_id),
+        (writer.add_pad_token_id, text.pad_token_id),
+    ):
         if isinstance(value, int):
             setter(value)
     writer.add_add_bos_token(False)
@@ -188,9 +200,16 @@ def _write_tokenizer(writer, tokenizer, text, arch: str) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def export_gguf(model_dir: str | Path, dest: str | Path, qtype: str | Callable[[str], str] = "F16", *,
-                split_max_tensors: int = 0, blocks: Blocks | None = None,
-                output_weight: bool = False, gate_floor: float | None = None) -> list[Path]:
+def export_gguf(
+    model_dir: str | Path,
+    dest: str | Path,
+    qtype: str | Callable[[str], str] = "F16",
+    *,
+    split_max_tensors: int = 0,
+    blocks: Blocks | None = None,
+    output_weight: bool = False,
+    gate_floor: float | None = None,
+) -> list[Path]:
     """Write the Hugging Face MoE folder ``model_dir`` as GGUF at ``dest`` in ``qtype`` (a ggml type
     name, or ``gguf name → type name`` for a mix such as Q4_K_M's); returns the files written
     (several with ``split_max_tensors``: ``…-00001-of-0000N.gguf``).
@@ -215,10 +234,22 @@ def export_gguf(model_dir: str | Path, dest: str | Path, qtype: str | Callable[[
         embed = next(v for n, v in tensors if n == "token_embd.weight")
         tensors.append(("output.weight", embed))
     if gate_floor is not None:
-        tensors = [(n, np.where(v == 0, np.float32(gate_floor), v) if "ffn_gate_inp_shexp" in n else v)
-                   for n, v in tensors]
-    file_type = {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9,
-                 "Q4_K": 15, "MXFP4": 38}.get(type_of("blk.0.ffn_up_exps.weight"), 1)
+        tensors = [
+            (n, np.where(v == 0, np.float32(gate_floor), v) if "ffn_gate_inp_shexp" in n else v)
+            for n, v in tensors
+        ]
+    file_type = {
+        "F32": 0,
+        "F16": 1,
+        "BF16": 32,
+        "Q8_0": 7,
+        "Q4_0": 2,
+        "Q4_1": 3,
+        "Q5_0": 8,
+        "Q5_1": 9,
+        "Q4_K": 15,
+        "MXFP4": 38,
+    }.get(type_of("blk.0.ffn_up_exps.weight"), 1)
     dest.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(dest, arch, split_max_tensors=split_max_tensors)
     _write_metadata(writer, config, arch, tokenizer, file_type)

@@ -68,6 +68,8 @@ def read_header(path: str | Path, string_arrays: Container[str] = ()) -> GgufHea
     entries, pos = _read_tensor_table(blob, tensor_count, pos)
     alignment = int(metadata.get("general.alignment", 32))
     data_start = (pos + alignment - 1) // alignment * alignment
-    tensors = tuple(GgufTensor(name, shape, ggml_type, data_start + offset, path)
-                    for name, shape, ggml_type, offset in entries)
+    tensors = tuple(
+        GgufTensor(name, shape, ggml_type, data_start + offset, path)
+        for name, shape, ggml_type, offset in entries
+    )
     return GgufHeader(path, metadata, tensors, int(blob.shape[0]))

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
 
 from moetray.engine.experts import offload_loaded
 from moetray.engine.models.checkpoint import CheckpointError
@@ -49,8 +48,13 @@ def _reference(path: Path, config):
     because its legacy mapping gets qwen2moe/qwen3moe sizes wrong."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=copy.deepcopy(config),
-                                                 dtype=torch.float32, experts_implementation="grouped_mm")
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent,
+        gguf_file=path.name,
+        config=copy.deepcopy(config),
+        dtype=torch.float32,
+        experts_implementation="grouped_mm",
+    )
     return model.eval()
 
 
@@ -58,8 +62,14 @@ def _offloaded(path: Path, capacity_fraction: float = 1.0, **kw):
     ck = read_gguf(path)
     model, store, modules = load_gguf(ck, device=torch.device("cpu"), dtype=torch.float32)
     total = store.num_layers * store.num_experts
-    om = offload_loaded(model, store, modules, device=torch.device("cpu"),
-                        capacity=max(1, round(capacity_fraction * total)), **kw)
+    om = offload_loaded(
+        model,
+        store,
+        modules,
+        device=torch.device("cpu"),
+        capacity=max(1, round(capacity_fraction * total)),
+        **kw,
+    )
     return ck, om
 
 
@@ -146,12 +156,14 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(hf_dirs, tmp_path):
     text = "Hello! Mixture of experts models route each token."
     assert ours(text)["input_ids"] == source(text)["input_ids"]
     messages = [{"role": "user", "content": "hi"}]
-    assert ours.apply_chat_template(messages, tokenize=False) == source.apply_chat_template(messages, tokenize=False)
+    assert ours.apply_chat_template(messages, tokenize=False) == source.apply_chat_template(
+        messages, tokenize=False
+    )
 
 
 def test_a_split_set_loads_and_a_missing_part_is_refused_by_name(hf_dirs, tmp_path):
     files = export_gguf(hf_dirs["qwen3_moe"], tmp_path / "split.gguf", "Q8_0", split_max_tensors=12)
-    assert len(files) >= 2 and files[0].name.endswith("-00001-of-%05d.gguf" % len(files))
+    assert len(files) >= 2 and files[0].name.endswith(f"-00001-of-{len(files):05d}.gguf")
     whole = _export(hf_dirs["qwen3_moe"], tmp_path / "whole" / "whole.gguf", "Q8_0")
     assert _greedy(_offloaded(files[0])[1].model) == _greedy(_offloaded(whole)[1].model)
     assert read_gguf(tmp_path).files == files  # a folder names its one model (the set's first part)
@@ -172,8 +184,9 @@ def test_a_truncated_file_is_refused_by_name(hf_dirs, tmp_path):
 
 
 def test_an_unsupported_tensor_type_is_refused_naming_it(hf_dirs, tmp_path):
-    path = _export(hf_dirs["qwen3_moe"], tmp_path / "iq.gguf",
-                   lambda name: "IQ2_XXS" if "_exps" in name else "Q8_0")
+    path = _export(
+        hf_dirs["qwen3_moe"], tmp_path / "iq.gguf", lambda name: "IQ2_XXS" if "_exps" in name else "Q8_0"
+    )
     with pytest.raises(CheckpointError) as refused:
         read_gguf(path)
     assert refused.value.kind == "unsupported_quant_type" and refused.value.quant_type == "IQ2_XXS"
@@ -197,7 +210,10 @@ def _write_minimal(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Pat
 
 
 def test_a_dense_gguf_is_refused_as_not_moe_and_an_unknown_family_by_name(tmp_path):
-    dense = {"token_embd.weight": np.zeros((32, 64), np.float32), "blk.0.ffn_gate.weight": np.zeros((128, 64), np.float32)}
+    dense = {
+        "token_embd.weight": np.zeros((32, 64), np.float32),
+        "blk.0.ffn_gate.weight": np.zeros((128, 64), np.float32),
+    }
     with pytest.raises(CheckpointError) as refused:
         read_gguf(_write_minimal(tmp_path / "dense.gguf", "qwen2", dense))
     assert refused.value.kind == "not_moe"

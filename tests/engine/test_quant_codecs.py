@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, dequantize as gguf_dequantize
+from gguf import GGMLQuantizationType
+from gguf import dequantize as gguf_dequantize
 
 from moetray.engine.experts.codecs import PLAIN_TYPES, SUPPORTED_GGML_TYPES, dequantize, ggml_type_name
 from tests.gguf_fixtures import random_blocks
@@ -30,7 +31,11 @@ def test_block_decoders_agree_with_gguf_py_bit_for_bit(qtype):
 def test_plain_types_are_views(qtype):
     values = np.random.default_rng(0).standard_normal(96).astype(np.float32)
     stored = values.astype(np.float16) if qtype == Q.F16 else values
-    raw = stored.view(np.uint8) if qtype != Q.BF16 else (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    raw = (
+        stored.view(np.uint8)
+        if qtype != Q.BF16
+        else (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    )
     want = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, qtype)).reshape(-1).astype(np.float32))
     assert torch.equal(dequantize(torch.from_numpy(raw.copy()), qtype), want)
 
