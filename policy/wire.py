@@ -103,9 +103,9 @@ REFUSALS: dict[str, Refusal] = {
 # Loading a model: the ``error_kind`` of a failed load in `/health`, and a listed model's ``refusal``.
 REFUSALS.update({
     "not_moe": Refusal(422, Retry.NEVER, "A dense model; moetray serves mixture-of-experts models."),
-    "unsupported_quant_type": Refusal(422, Retry.NEVER, "The file holds a tensor type moetray cannot decode."),
-    "unreadable_checkpoint": Refusal(422, Retry.NEVER, "The model files are truncated, corrupt or incomplete."),
-    "quantized_checkpoint": Refusal(422, Retry.NEVER, "GPTQ, AWQ and bitsandbytes checkpoints are not served."),
+    "unsupported_quant_type": Refusal(422, Retry.NEVER, "A tensor type moetray cannot decode."),
+    "unreadable_checkpoint": Refusal(422, Retry.NEVER, "Model files truncated, corrupt or incomplete."),
+    "quantized_checkpoint": Refusal(422, Retry.NEVER, "GPTQ, AWQ and bitsandbytes are not served."),
     "unsupported_family": Refusal(422, Retry.NEVER, "moetray cannot serve this model family yet."),
     "not_a_checkpoint": Refusal(404, Retry.NEVER, "No model there."),
 })
