@@ -224,3 +224,22 @@ def test_a_dense_gguf_is_refused_as_not_moe_and_an_unknown_family_by_name(tmp_pa
     with pytest.raises(CheckpointError) as refused:
         read_gguf(tmp_path / "junk.gguf")
     assert refused.value.kind == "unreadable_checkpoint"
+
+
+def test_the_hybrid_choice_prices_experts_at_their_stored_size(hf_dirs, tmp_path, monkeypatch):
+    """The same bandwidth profile sends misses to the CPU for a float32 store (the CPU reads the
+    bytes the link would move, 3× faster) but not for Q8_0, whose fills move ~¼ of the bytes the CPU
+    would read decoded: q* compares experts per second, with bytes per expert as stored."""
+    import torch
+
+    from moetray.engine.experts import load_offloaded_model
+    from moetray.engine.experts.hybrid import device_identity
+    from moetray.policy.moe.bench_profile import BandwidthProfile, save_profile
+
+    monkeypatch.setenv("MOETRAY_CACHE_DIR", str(tmp_path / "cache"))
+    save_profile(tmp_path / "cache", BandwidthProfile(device=device_identity(torch.device("cpu")),
+                                                      link_gbs=1.0, cpu_gbs=3.0))
+    full = load_offloaded_model(hf_dirs["qwen3_moe"], capacity=8)
+    assert full.runtime.backend == "hybrid" and full.runtime.fetch_fraction == pytest.approx(1 / 3, abs=1e-4)
+    _, quantized = _offloaded(_export(hf_dirs["qwen3_moe"], tmp_path / "q8.gguf", "Q8_0"), 0.5)
+    assert quantized.runtime.backend == "offload"
