@@ -164,15 +164,17 @@ def plain_decoder(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[Decoder, 
 
 
 def mxfp4_hf_decoder(rows: int, cols: int) -> tuple[Decoder, int]:
-    """A Hugging Face MXFP4 weight ``[rows, cols]``: ``blocks`` ``[rows, cols/32, 16]`` then
-    ``scales`` ``[rows, cols/32]`` (E8M0, bias 127), back to back; values ``[rows, cols]``."""
+    """A Hugging Face MXFP4 tensor of ``rows`` stored rows of ``cols`` values: ``blocks``
+    ``[rows, cols/32, 16]`` then ``scales`` ``[rows, cols/32]`` (E8M0, bias 127), back to back.
+    Values come out ``[cols, rows]``: transformers' unpacking, the transposed layout gpt-oss's
+    experts hold."""
     groups = cols // 32
     nblocks = rows * groups * 16
 
     def decode(raw: torch.Tensor) -> torch.Tensor:
         blocks = raw[:nblocks].view(1, rows, groups, 16)
         scales = raw[nblocks:].view(1, rows, groups)
-        return dequantize_mxfp4_packed(blocks, scales).view(cols, rows).t()
+        return dequantize_mxfp4_packed(blocks, scales).view(cols, rows)
 
     return decode, nblocks + rows * groups
 

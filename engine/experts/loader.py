@@ -25,7 +25,13 @@ from pathlib import Path
 import torch
 
 from moetray.engine.experts.hf import key_renamer
-from moetray.engine.experts.store import ExpertGeometry, ExpertStore, ExpertStoreError, StoreLayer
+from moetray.engine.experts.store import (
+    ExpertGeometry,
+    ExpertStore,
+    ExpertStoreError,
+    QuantizedExpertStore,
+    StoreLayer,
+)
 from moetray.policy.refused import Refused
 
 __all__ = [
@@ -92,23 +98,21 @@ def expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return sorted(found, key=layer_no)
 
 
-def refuse_quantized(config) -> None:
-    """Refuses a checkpoint whose config names a quantization method (``quantization_config``:
-    gpt-oss's MXFP4 blocks and scales, DeepSeek-V3's FP8 with block scales, GPTQ, AWQ, …)
-    with :class:`LoaderError` ``quantized_checkpoint``. The store packs expert tensors as the
-    plain floats it reads, and the scale tensors have no place in the model, so such a
-    checkpoint would load without complaint and compute garbage. Pure; mutates nothing."""
-    quant = getattr(config, "quantization_config", None)
-    if quant is None and hasattr(config, "get_text_config"):
-        quant = getattr(config.get_text_config(), "quantization_config", None)
-    if quant:
-        method = (quant.get("quant_method") if isinstance(quant, dict)
-                  else getattr(quant, "quant_method", None))
-        method = getattr(method, "value", method)  # a QuantizationMethod enum on a parsed config
+def refuse_quantized(config) -> str | None:
+    """The checkpoint's served quantization method (``"mxfp4"``, ``"fp8"`` with block scales) or
+    None; refuses any other (GPTQ, AWQ, bitsandbytes, per-tensor FP8, …) with :class:`LoaderError`
+    ``quantized_checkpoint``: their weights would need kernels or layouts the store does not read,
+    and loading them as plain floats would compute garbage. Pure; mutates nothing."""
+    from moetray.engine.experts.quantized_hf import quant_method
+
+    try:
+        return quant_method(config)
+    except ValueError as exc:
+        method = str(exc)
         raise LoaderError("quantized_checkpoint",
-                          f"the checkpoint is quantized ({method or 'unknown method'}); moetray reads "
-                          "unquantized weights only (fp32, bf16 or fp16): dequantize it first",
-                          quant_method=method)
+                          f"the checkpoint is quantized ({method}); moetray serves unquantized weights, "
+                          "MXFP4 and fine-grained FP8: dequantize it first",
+                          quant_method=method.split(" ")[0]) from exc
 
 
 def build_skeleton(checkpoint_dir: str | Path, dtype: torch.dtype, config=None):
@@ -142,7 +146,7 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
 
     report("building model skeleton", 0, None)
     config = AutoConfig.from_pretrained(checkpoint_dir)
-    refuse_quantized(config)
+    method = refuse_quantized(config)
     model = build_skeleton(checkpoint_dir, dtype, config)
     experts = expert_modules(model)
     if not experts:
@@ -162,13 +166,27 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as fh:
             entries += [(path, key, rename(key)) for key in fh.keys()]
-    claimed = ExpertStore.index(store_layers, entries)
+    handles: dict[Path, object] = {}
+
+    def open_file(path: Path):
+        if path not in handles:
+            handles[path] = safe_open(str(path), framework="pt", device="cpu")
+        return handles[path]
+
+    if method is None:
+        claimed = ExpertStore.index(store_layers, entries)
+    else:
+        from moetray.engine.experts.quantized_hf import expert_sources
+
+        codecs, read_part, claimed = expert_sources(method, config, store_layers, entries, open_file)
+    scales = {key.removesuffix("_scale_inv"): (path, key) for path, key, _ in entries
+              if method == "fp8" and key.endswith(".weight_scale_inv")}
 
     # Non-expert tensors: read straight onto the device, cast to the parameter's dtype.
     meta_sd = model.state_dict()
     wanted: dict[Path, list[tuple[str, str]]] = {}
     for path, key, model_key in entries:
-        if key in claimed:
+        if key in claimed or key.endswith(".weight_scale_inv") and method == "fp8":
             continue
         if model_key in meta_sd:
             wanted.setdefault(path, []).append((key, model_key))
@@ -183,6 +201,11 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
             for key, model_key in pairs:
                 target = meta_sd[model_key]
                 tensor = fh.get_tensor(key)
+                if key in scales:  # a fine-grained FP8 weight: dequantized at load
+                    from moetray.engine.experts.quantized_hf import dequantize_fp8, fp8_block
+
+                    spath, skey = scales[key]
+                    tensor = dequantize_fp8(tensor.cpu(), open_file(spath).get_tensor(skey), fp8_block(config))
                 converted = tensor.to(dtype=target.dtype)
                 if load_device == "cpu" and converted.data_ptr() == tensor.data_ptr():
                     # Still a view of the memory-mapped file: at the file's byte offset (GEMM
@@ -196,8 +219,12 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
     del state
 
     report("building expert store", 0, len(store_layers))
-    store = ExpertStore.build(store_layers, dtype=dtype, pin=pin,
-                              progress=lambda d, t: report("building expert store", d, t))
+    if method is None:
+        store = ExpertStore.build(store_layers, dtype=dtype, pin=pin,
+                                  progress=lambda d, t: report("building expert store", d, t))
+    else:
+        store = QuantizedExpertStore.build_quantized(store_layers, codecs, read_part, dtype=dtype, pin=pin,
+                                                     progress=lambda d, t: report("building expert store", d, t))
     return model, store, [mod for _, mod in experts]
 
 

@@ -72,7 +72,8 @@ def _moe_layer_count(text) -> int:
 
 
 def _refuse_quantized(config) -> None:
-    """The experts loader's ``quantized_checkpoint`` refusal, as a :class:`CheckpointError`."""
+    """The experts loader's ``quantized_checkpoint`` refusal (GPTQ, AWQ, bitsandbytes, …; MXFP4 and
+    fine-grained FP8 are served), as a :class:`CheckpointError`."""
     from moetray.engine.experts.loader import LoaderError, refuse_quantized
 
     try:
