@@ -205,7 +205,8 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
                     from moetray.engine.experts.quantized_hf import dequantize_fp8, fp8_block
 
                     spath, skey = scales[key]
-                    tensor = dequantize_fp8(tensor.cpu(), open_file(spath).get_tensor(skey), fp8_block(config))
+                    scale = open_file(spath).get_tensor(skey)
+                    tensor = dequantize_fp8(tensor.cpu(), scale, fp8_block(config))
                 converted = tensor.to(dtype=target.dtype)
                 if load_device == "cpu" and converted.data_ptr() == tensor.data_ptr():
                     # Still a view of the memory-mapped file: at the file's byte offset (GEMM
@@ -219,12 +220,14 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
     del state
 
     report("building expert store", 0, len(store_layers))
+    def stored(done: int, total: int) -> None:
+        report("building expert store", done, total)
+
     if method is None:
-        store = ExpertStore.build(store_layers, dtype=dtype, pin=pin,
-                                  progress=lambda d, t: report("building expert store", d, t))
+        store = ExpertStore.build(store_layers, dtype=dtype, pin=pin, progress=stored)
     else:
         store = QuantizedExpertStore.build_quantized(store_layers, codecs, read_part, dtype=dtype, pin=pin,
-                                                     progress=lambda d, t: report("building expert store", d, t))
+                                                     progress=stored)
     return model, store, [mod for _, mod in experts]
 
 
