@@ -11,6 +11,7 @@ made here from the same reader's primitives. Only this module, ``engine/cb/`` an
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Container
 from pathlib import Path
@@ -53,7 +54,17 @@ def read_header(path: str | Path, string_arrays: Container[str] = ()) -> GgufHea
     for one cut short inside its header; the caller names the refusal.
     """
     path = Path(path)
-    blob = _mapped(str(path))
+    with open(path, "rb") as fh:
+        # The reader's walk is a struct.unpack_from per string of the vocabulary (100 k+ of them):
+        # over a plain mmap it runs several times faster than over numpy's memmap wrapper.
+        blob = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _walk(path, blob, string_arrays)
+    finally:
+        blob.close()
+
+
+def _walk(path: Path, blob: mmap.mmap, string_arrays: Container[str]) -> GgufHeader:
     if bytes(blob[:4]) != b"GGUF":
         raise ValueError(f"{path} does not start with the GGUF magic bytes")
     version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
@@ -72,4 +83,4 @@ def read_header(path: str | Path, string_arrays: Container[str] = ()) -> GgufHea
         GgufTensor(name, shape, ggml_type, data_start + offset, path)
         for name, shape, ggml_type, offset in entries
     )
-    return GgufHeader(path, metadata, tensors, int(blob.shape[0]))
+    return GgufHeader(path, metadata, tensors, len(blob))
