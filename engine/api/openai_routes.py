@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from starlette.background import BackgroundTask
 
 from moetray.engine.api.errors import ApiError
-from moetray.engine.api.fields import WholeInt
+from moetray.engine.api.fields import whole_int
 from moetray.engine.api.prompts import chat_prompt, text_prompt
 from moetray.engine.budget import MAX_TOKENS_CEILING
 from moetray.engine.cb import Sampling
@@ -68,10 +68,10 @@ class SamplingFields(BaseModel):
     model: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: WholeInt | None = Field(default=None, ge=1, le=MAX_TOKENS_CEILING)
+    max_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: WholeInt | None = Field(default=None, ge=-(1 << 63), le=(1 << 63) - 1)
+    seed: whole_int(-(1 << 63), (1 << 63) - 1) | None = None
     stop: StrictStr | list[StrictStr] | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)
     # vLLM's extension: generate exactly max_tokens, past EOS and the end-of-turn marker.
@@ -84,7 +84,7 @@ class SamplingFields(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: WholeInt | None = Field(default=None, ge=1, le=MAX_TOKENS_CEILING)
+    max_completion_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
     tools: list[Tool] | None = None
     tool_choice: Any = None
     reasoning_effort: StrictStr | None = None

@@ -20,7 +20,6 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from starlette.routing import Route
 
 from moetray.engine.api.security import Credentials
 from moetray.policy.wire import REFUSALS, Retry, refusal_for
@@ -75,6 +74,18 @@ STREAMING_ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"
 """JSON, or ``text/event-stream`` when the body asks ``"stream": true``."""
 EVENT_STREAM_ONLY = {("GET", "/admin/events")}
 
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "title": "ServerSentEvent",
+    "description": "one event of the stream (OpenAPI before 3.2: the schema of each event)",
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "description": "a JSON chunk, or [DONE] at the end"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
 ERROR_SCHEMA: dict[str, Any] = {
     "title": "ErrorResponse",
     "type": "object",
@@ -150,27 +161,23 @@ def build_schema(app: FastAPI, credentials: Credentials) -> dict[str, Any]:
     components["securitySchemes"] = {"adminToken": {"type": "http", "scheme": "bearer"}}
     if api_key:
         components["securitySchemes"]["apiKey"] = {"type": "http", "scheme": "bearer"}
-    for route in app.routes:
-        if not isinstance(route, Route) or not route.include_in_schema:
-            continue
-        for method in route.methods or ():
-            operation = schema["paths"].get(route.path, {}).get(method.lower())
-            if operation is None:
-                continue
+    for path, operations in schema["paths"].items():
+        for lower, operation in operations.items():
+            method = lower.upper()
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             ok = responses.setdefault("200", {"description": "Successful Response"})
-            key = (method, route.path)
+            key = (method, path)
             if key in EVENT_STREAM_ONLY:
-                ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+                ok["content"] = {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}
             elif key in STREAMING_ROUTES:
                 ok.setdefault("content", {"application/json": {"schema": {}}})
-                ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
-            for status, kinds in operation_statuses(method, route.path, api_key=api_key).items():
+                ok["content"]["text/event-stream"] = {"schema": SSE_EVENT_SCHEMA}
+            for status, kinds in operation_statuses(method, path, api_key=api_key).items():
                 responses[str(status)] = _error_response(kinds)
-            if route.path.startswith("/admin"):
+            if path.startswith("/admin"):
                 operation["security"] = [{"adminToken": []}]
-            elif route.path.startswith("/v1") and api_key:
+            elif path.startswith("/v1") and api_key:
                 operation["security"] = [{"apiKey": []}]
     return schema
 
