@@ -118,11 +118,12 @@ def refuse_if_cannot_fit(tokenizer, limit: int, chars: int) -> None:
         )
 
 
-def message_chars(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Characters of user text every chat template renders verbatim (whitespace at the ends aside)."""
+def message_chars(messages: Sequence[Mapping[str, Any]], *, roles: tuple[str, ...] | None = ("user",)) -> int:
+    """Characters of message text: by default the user text every chat template renders verbatim
+    (whitespace at the ends aside); ``roles=None`` counts every message's."""
     total = 0
     for message in messages:
-        if message.get("role") != "user":
+        if roles is not None and message.get("role") not in roles:
             continue
         content = message.get("content")
         if isinstance(content, str):
@@ -148,8 +149,8 @@ async def chat_prompt(
     """
     from moetray.engine.api.errors import ApiError
 
-    chars = message_chars(messages)
-    refuse_if_cannot_fit(chat.tokenizer, engine.ceiling.limit, chars)
+    refuse_if_cannot_fit(chat.tokenizer, engine.ceiling.limit, message_chars(messages))
+    size = message_chars(messages, roles=None) + (len(json.dumps(tools)) if tools else 0)
 
     def render_and_encode() -> tuple[str, list[int]]:
         try:
@@ -160,7 +161,7 @@ async def chat_prompt(
             ) from exc
         return text, chat.encode(text)
 
-    return await off_loop(chars, render_and_encode)
+    return await off_loop(size, render_and_encode)
 
 
 async def text_prompt(engine, chat, prompt: str) -> list[int]:
