@@ -190,6 +190,7 @@ class Engine:
         self.eos_ids: tuple[int, ...] = ()
         self.registry: dict[str, RequestRecord] = {}
         self.last_rebuild: dict[str, Any] | None = None
+        self.stop_counts: dict[str, int] | None = None  # drained / aborted, fixed by the first stop
         self.rebuild_timings: list[dict[str, Any]] = []
         self._loader_thread: threading.Thread | None = None
 
