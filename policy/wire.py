@@ -241,6 +241,7 @@ class PoolInfo(TypedDict):
     limits: dict[str, dict[str, int]]  # {"moe_slots": {"min", "max"}, "kv_pages": {...}}
     kv_pages_used: int | None  # excludes evictable prefix pages
     kv_pages_evictable: int | None
+    live_bytes: dict[str, int | None]  # {"moe_slots", "kv_pages"}: bytes each live pool holds, measured
 
 
 class ExpertStats(TypedDict):

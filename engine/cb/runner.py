@@ -324,6 +324,13 @@ class BatchRunner:
     def page_size(self) -> int:
         return self.config.page_size
 
+    def pool_bytes(self) -> int | None:
+        """Bytes the live KV pool's cache tensor holds (measured, not priced); None when stopped."""
+        processor = self.manager.batch_processor if self.manager else None
+        if processor is None:
+            return None
+        return int(processor.cache.cache_tensor.nbytes)
+
     @property
     def ledger(self) -> BlockLedger | None:
         processor = self.manager.batch_processor if self.manager else None
