@@ -630,6 +630,14 @@ class Engine:
             body["error_kind"] = self.load_error_kind
         if self.loaded is not None:
             body["model"] = self.loaded.info.model_id
+        runner = self.runner
+        if runner is not None:
+            last = runner.last_step_at
+            body["heartbeat"] = {
+                "steps": runner.steps,
+                "age_s": None if last is None else round(time.monotonic() - last, 3),
+                "busy": not self.activity().is_idle(),
+            }
         return body
 
     def model_info(self) -> dict[str, Any] | None:

@@ -6,8 +6,8 @@ cancelled at its next step boundary) and wait for the abort barrier (bounded) �
 ``seal`` (the totals are fixed once; a retry gets the identical value) → the receipt is
 made durable by ``outbox.finish_stop`` (persist first, then the reply is the signal) → the
 reply carries the receipt, and counts the requests that were in flight when the stop began:
-``drained`` (finished on their own) and ``aborted`` (cancelled after the drain timed out). A retried stop returns the same receipt, and the outbox
-directory holds one file for it.
+``drained`` (finished on their own) and ``aborted`` (cancelled after the drain timed out).
+A retried stop returns the same receipt and counts, and the outbox directory holds one file.
 """
 
 from __future__ import annotations

@@ -196,6 +196,14 @@ class LoadProgress(TypedDict):
     total: int | None
 
 
+class Heartbeat(TypedDict):
+    """The batch loop's pulse: a busy engine whose steps advance is slow, not hung."""
+
+    steps: int  # batch steps taken since the KV pool was (re)built
+    age_s: float | None  # seconds since the latest step; None before the first
+    busy: bool  # requests are in flight (an idle loop takes no steps and is not hung)
+
+
 class Health(TypedDict, total=False):
     """``GET /health`` (no auth): the one route that answers while the model loads."""
 
@@ -204,6 +212,7 @@ class Health(TypedDict, total=False):
     error: str  # why the engine failed; present once it has
     error_kind: str | None  # that failure's snake_case kind when it was a refusal by name
     model: str  # the served model's id, once loaded
+    heartbeat: Heartbeat  # present once the batch loop runs
 
 
 class ModelInfo(TypedDict):

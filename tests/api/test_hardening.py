@@ -177,7 +177,8 @@ def test_client_timeouts_outside_their_documented_bounds_are_400(live, field, va
 def test_while_loading_every_v1_route_is_503_with_retry_after_and_progress(tiny_qwen3, start_engine):
     """Defect 8: /v1/models said 200 with an empty list while the model loaded."""
     engine = start_engine(tiny_qwen3, load=False)
-    for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")):
+    routes = (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"))
+    for method, path in routes:
         r = httpx.request(method, f"{engine.url}{path}", json={"prompt": "x"}, timeout=10)
         assert r.status_code == 503, (path, r.text)
         assert r.headers["retry-after"] == "2"

@@ -43,7 +43,8 @@ def fill_and_measure(engine) -> tuple[int, int]:
 
 
 def resplit(engine, kv_tokens: int) -> None:
-    r = httpx.post(f"{engine.url}/admin/cache/rebuild", headers=ADMIN, json={"kv_tokens": kv_tokens}, timeout=120)
+    body = {"kv_tokens": kv_tokens}
+    r = httpx.post(f"{engine.url}/admin/cache/rebuild", headers=ADMIN, json=body, timeout=120)
     assert r.status_code == 200, r.text
 
 

@@ -90,7 +90,8 @@ def test_serve_comes_up_before_the_model_and_writes_a_private_token_file(tiny_qw
 def _spawn_stopped(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     """Start ``cmd`` in a process that stops itself (SIGSTOP) before it execs: its PID is known
     before the engine runs a line, so a test can plant files named after it, then SIGCONT."""
-    shim = "import os, signal, sys; os.kill(os.getpid(), signal.SIGSTOP); os.execv(sys.executable, sys.argv[1:])"
+    shim = ("import os, signal, sys; os.kill(os.getpid(), signal.SIGSTOP); "
+            "os.execv(sys.executable, sys.argv[1:])")
     proc = subprocess.Popen([sys.executable, "-c", shim, *cmd], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 30
