@@ -200,3 +200,26 @@ def test_an_unexpected_exception_is_a_json_500_with_an_id_in_the_log(live, caplo
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
     error_id = r.json()["error"]["id"]
     assert error_id in caplog.text and "kaboom" in caplog.text
+
+
+def test_health_carries_the_batch_loops_heartbeat(slow):
+    """The supervisor tells busy from hung by it: steps advance while a request runs."""
+    before = httpx.get(f"{slow.url}/health").json()["heartbeat"]
+    assert before["busy"] is False
+    done = threading.Event()
+    body = {"prompt": "beat", "max_tokens": 30, "ignore_eos": True}
+
+    def run() -> None:
+        httpx.post(f"{slow.url}/v1/completions", json=body, timeout=120)
+        done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    seen_busy = []
+    while not done.is_set():
+        seen_busy.append(httpx.get(f"{slow.url}/health").json()["heartbeat"]["busy"])
+        time.sleep(0.05)
+    t.join(timeout=60)
+    after = httpx.get(f"{slow.url}/health").json()["heartbeat"]
+    assert True in seen_busy
+    assert after["steps"] >= before["steps"] + 30 and after["age_s"] is not None
