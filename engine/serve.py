@@ -1,6 +1,6 @@
 """``moetray serve``: the engine process (HTTP server first, the model loads behind it).
 
-    moetray serve [--model DIR] [--host 127.0.0.1] [--port N] [--device auto|cpu|cuda]
+    moetray serve [--model PATH|NAME] [--host 127.0.0.1] [--port N] [--device auto|cpu|cuda]
                   [--moe-capacity SLOTS|PCT%] [--kv-tokens N] [--budget-bytes N[K|M|G]] …
 
 With no ``--model`` the embedded demo model is built (first run) and served. The server
