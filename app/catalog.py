@@ -1,8 +1,8 @@
 """The local models on disk, for the Model menu: ``moetray models --json`` run off the UI thread.
 
 The tray never imports the engine, so it asks the engine's own command, as a user would,
-and reads its rows (keys ``name``, ``source``, ``path``, ``format``, ``family``, ``moe``,
-``bytes``, ``servable``, ``refusal``). The command runs in a worker thread (the asyncio
+and reads its rows (``wire.LocalModel``: ``name``, ``source``, ``path``, ``format``,
+``family``, ``moe``, ``bytes``, ``servable``, ``refusal``). The command runs in a worker thread (the asyncio
 loop's executor), bounded by ``timeout_s``; a failure keeps the rows of the last success
 and says why in ``error``. Servable models are listed first; refused ones keep their
 reason, which the menu shows greyed.
@@ -25,7 +25,6 @@ from moetray.app.settings import DEMO_MODEL
 from moetray.policy import wire
 
 MODELS_COMMAND = (sys.executable, "-m", "moetray.app.cli", "models", "--json")
-ROW_KEYS = ("name", "source", "path", "format", "family", "moe", "bytes", "servable", "refusal")
 REFUSAL_WORDS = {
     "not_moe": "not a mixture-of-experts model",
     "unsupported_quant_type": "quantization type not supported",
@@ -61,7 +60,7 @@ class CatalogRow:
     refusal: str | None
 
     @classmethod
-    def from_wire(cls, row: Mapping[str, Any]) -> CatalogRow:
+    def from_wire(cls, row: wire.LocalModel | Mapping[str, Any]) -> CatalogRow:
         size = row.get("bytes")
         moe = row.get("moe")
         return cls(str(row["name"]), str(row.get("source") or ""), str(row.get("path") or ""),
