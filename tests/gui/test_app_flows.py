@@ -130,3 +130,33 @@ def test_the_tray_logs_refusals_to_stderr(tmp_path):
     reader.join(10)
     text = "".join(lines)
     assert "moetray: cannot start the engine: No such model folder" in text, text
+
+
+def test_the_rows_are_the_wire_contracts_keys():
+    from dataclasses import fields
+
+    from moetray.app.catalog import CatalogRow
+    from moetray.policy.wire import LOCAL_MODEL_KEYS
+
+    assert tuple(f.name for f in fields(CatalogRow)) == LOCAL_MODEL_KEYS
+
+
+@pytest.mark.slow
+def test_the_real_listing_command_feeds_the_model_menu(qapp, qloop, qtbot, tmp_path, tiny_model,
+                                                      monkeypatch):
+    """``moetray models --json`` itself, over a planted Hugging Face cache: its rows reach the menu."""
+    import shutil
+
+    hub = tmp_path / "hub"
+    snap = hub / "models--acme--tiny-moe" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_model, snap)
+    (hub / "models--acme--tiny-moe" / "refs").mkdir()
+    (hub / "models--acme--tiny-moe" / "refs" / "main").write_text("0" * 40)
+    for var, value in (("HF_HUB_CACHE", hub), ("HOME", tmp_path / "home"),
+                       ("OLLAMA_MODELS", tmp_path / "o"), ("XDG_DATA_HOME", tmp_path / "data")):
+        monkeypatch.setenv(var, str(value))
+    catalog = ModelCatalog()
+    run_async(qtbot, catalog.refresh(), timeout_ms=120000)
+    assert catalog.error is None
+    row = next(r for r in catalog.rows if r.name == "hf:acme/tiny-moe")
+    assert row.servable and row.moe and row.launch_value == str(snap)
