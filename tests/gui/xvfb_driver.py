@@ -102,6 +102,9 @@ def main(argv: list[str]) -> int:
     prepared = Prepared(hidden=True, attach=None, admin_token=None, no_tray=False, settings_file=None)
 
     def started(app) -> None:
+        # An idle engine on a loaded shared machine can miss /health for seconds while the
+        # screenshots are taken; hang detection is proven by test_supervisor_live (SIGSTOP).
+        app.supervisor.unresponsive_after_s = 30.0
         app.spawn(drive(app, out_dir, model, tabs))
 
     return compat.run(qapp, lambda: start_app(qapp, settings, prepared, single, started=started))
