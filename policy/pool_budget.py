@@ -43,7 +43,6 @@ __all__ = [
     "RebuildRequest",
     "budget_from_free_memory",
     "fraction_of",
-    "gib",
     "plan_budget",
     "presets",
     "project",
@@ -464,11 +463,6 @@ def project(sizes: PoolSizes, *, page_size: int, bytes_per_slot: int, bytes_per_
         moe_bytes=sizes.moe_slots * bytes_per_slot,
         kv_bytes=sizes.kv_pages * bytes_per_page,
     )
-
-
-def gib(n_bytes: int | None) -> float | None:
-    """Bytes in GiB for display; ``None`` stays ``None`` (unknown is never 0)."""
-    return None if n_bytes is None else n_bytes / 2**30
 
 
 # --- one bundle of numbers ------------------------------------------------------------------

@@ -20,6 +20,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moetray.policy.refused import Refused
 from moetray.policy.wire import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, API_KEY_ENV
 
 log = logging.getLogger("moetray.engine.api.security")
@@ -27,14 +28,17 @@ log = logging.getLogger("moetray.engine.api.security")
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
 
 
-class BindRefused(Exception):
+class BindRefused(Refused):
     """The requested bind is unsafe; ``.kind`` is ``non_loopback_without_key``."""
 
+    KINDS = ("non_loopback_without_key",)
+
     def __init__(self, host: str) -> None:
-        self.kind = "non_loopback_without_key"
         super().__init__(
+            "non_loopback_without_key",
             f"refusing to listen on {host!r}: a non-loopback address needs an API key "
-            f"(--api-key or {API_KEY_ENV}) so that /v1/* is not open to the network"
+            f"(--api-key or {API_KEY_ENV}) so that /v1/* is not open to the network",
+            host=host,
         )
 
 

@@ -12,7 +12,6 @@ stops it (KV-pool resize); the sampling stages (``sampling``) and the radix ledg
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -130,7 +129,6 @@ class BatchRunner:
         self.manager: ContinuousBatchingManager | None = None
         self._cached_tokens: dict[str, int] = {}
         self._handlers: dict[str, Handler] = {}
-        self._lock = threading.Lock()
 
     # -- lifecycle --------------------------------------------------------------------------------
 
