@@ -26,22 +26,26 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetray.engine.budget import MAX_TOKENS_CEILING
 from moetray.engine.cb import BatchRunner, Sampling
 from moetray.engine.gate import Gate
 from moetray.engine.load import LoadState, ServedModel, load_model
 from moetray.engine.pools import Pools
-from moetray.engine.requests import EngineUnavailable, RequestRecord, Requests
+from moetray.engine.requests import EngineUnavailable, RequestRecord, Requests, Step
 from moetray.engine.status import health, model_info, snapshot
 from moetray.engine.telemetry import Telemetry
 from moetray.policy import wire
 from moetray.policy.maintenance import GateState, SealedAccounting
 from moetray.policy.pool_budget import DEFAULT_KV_RESERVE_TOKENS, DEFAULT_MEMORY_RATIO
+from moetray.policy.rebuild import EngineActivity
+
+if TYPE_CHECKING:
+    from moetray.engine.chat import ChatSupport
 
 __all__ = ["Engine", "EngineOptions", "EngineUnavailable", "RequestRecord"]
 
@@ -121,7 +125,7 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
 
-    def chat_support(self):
+    def chat_support(self) -> ChatSupport:
         """The loaded model's chat support; before a model is loaded, refuses with the gate's state.
 
         Not the admission check (``admit`` is, atomically with registration): only what
@@ -169,7 +173,7 @@ class Engine:
 
     # The request path after admission is the registry's (``requests.Requests``).
 
-    def stream(self, record: RequestRecord, *, every_step: bool = True):
+    def stream(self, record: RequestRecord, *, every_step: bool = True) -> AsyncIterator[Step]:
         return self.requests.stream(record, every_step=every_step)
 
     def cancel(self, request_id: str) -> bool:
@@ -178,7 +182,7 @@ class Engine:
     def abandon(self, request_id: str) -> None:
         self.requests.abandon(request_id)
 
-    def activity(self):
+    def activity(self) -> EngineActivity:
         return self.requests.activity()
 
     def active_requests(self) -> list[dict[str, Any]]:
