@@ -211,7 +211,8 @@ class Engine:
         )
 
     def health(self) -> wire.Health:
-        return health(self.gate.state.value, self.loading, self.served)
+        busy = lambda: not self.requests.activity().is_idle()  # noqa: E731
+        return health(self.gate.state.value, self.loading, self.served, self._runner(), busy)
 
     def model_info(self) -> dict[str, Any] | None:
         return model_info(self.served, self.pools)

@@ -22,6 +22,7 @@ class Gate:
     def __init__(self, lock: threading.RLock) -> None:
         self.lock = lock
         self._gate = MaintenanceGate()
+        self.stop_counts: dict[str, int] | None = None  # drained / aborted, fixed by the first seal
 
     @property
     def state(self) -> GateState:
@@ -57,14 +58,24 @@ class Gate:
         with self.lock:
             self._gate.finish_rebuild(ok)
 
-    def begin_stop(self) -> None:
-        """Closes admission for good; refuses with ``StopRefused`` during a rebuild (nothing changed)."""
+    def begin_stop(self, in_flight: Callable[[], int]) -> int:
+        """Closes admission for good and returns how many requests were ``in_flight`` then (counted
+        under the same lock); refuses with ``StopRefused`` during a rebuild (nothing changed)."""
         with self.lock:
             self._gate.begin_stop()
+            return in_flight()
 
     def seal(
-        self, in_flight: Callable[[], int], snapshot: Callable[[], SealedAccounting]
-    ) -> SealedAccounting:
-        """Fixes the stop's totals once, counting what is ``in_flight`` under the same lock."""
+        self, active: Callable[[], int], snapshot: Callable[[], SealedAccounting], counts: dict[str, int]
+    ) -> tuple[SealedAccounting, dict[str, int]]:
+        """Fixes the stop's totals once, counting what is still ``active`` under the same lock.
+
+        The stop's ``counts`` (drained / aborted) are fixed with the first seal that succeeds;
+        a retried stop gets those first totals and counts back. Refuses like
+        ``MaintenanceGate.seal`` (``StopRefused``), fixing nothing.
+        """
         with self.lock:
-            return self._gate.seal(in_flight(), had_identities=True, snapshot=snapshot)
+            sealed = self._gate.seal(active(), had_identities=True, snapshot=snapshot)
+            if self.stop_counts is None:
+                self.stop_counts = dict(counts)
+            return sealed, self.stop_counts

@@ -164,10 +164,12 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         anchor_token=chat.anchor_token,
         step_delay_s=opts.test_step_delay_s if opts.test_hooks else 0.0,
     )
-    pools = Pools(loaded.model, runtime, budget, measured, settings, trained_context=info.context_length)
-    pools.open(sizes, progress)
     # The model and the libraries are long-lived: freeze them out of the cyclic GC, or every
     # gc.collect() the batching substrate runs when a manager stops (each KV re-split) walks
-    # the whole heap (~1 s instead of ~1 ms).
+    # the whole heap (~1 s instead of ~1 ms). Frozen before the pools are sized: the batch
+    # manager is a reference cycle, and a frozen cycle is never collected, so a KV pool built
+    # before the freeze would stay mapped after its first re-split (issue 11, defect 2).
     gc.freeze()
+    pools = Pools(loaded.model, runtime, budget, measured, settings, trained_context=info.context_length)
+    pools.open(sizes, progress)
     return ServedModel(loaded, chat, eos_ids, prefix_policy), pools

@@ -146,12 +146,14 @@ class Pools:
         return self.budget.validate(request, self.sizes(), idle=idle)
 
     def to_wire(self) -> dict[str, object]:
-        """``policy.wire.PoolInfo``: ``PoolBudget.to_wire`` for the current sizes and KV use."""
+        """``policy.wire.PoolInfo``: ``PoolBudget.to_wire`` for the current sizes, KV use and live bytes."""
         stats = self.runner.kv_stats() if self.runner is not None else None
         return self.budget.to_wire(
             self.sizes(),
             kv_pages_used=stats.used if stats else None,
             kv_pages_evictable=stats.evictable if stats else None,
+            live_moe_bytes=int(self.runtime.pool.rows.nbytes),
+            live_kv_bytes=self.runner.pool_bytes() if self.runner is not None else None,
         )
 
     # -- the re-split's two callables ------------------------------------------------------------

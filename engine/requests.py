@@ -212,6 +212,11 @@ class Requests:
 
     # -- what the engine is doing ----------------------------------------------------------------
 
+    def running(self) -> int:
+        """How many admitted requests have not finished their reply."""
+        with self.lock:
+            return sum(1 for rec in self._records.values() if not rec.done)
+
     def activity(self) -> EngineActivity:
         """What the engine is doing now: registered requests (replies not yet drained included),
         plus any request the batch loop still holds after its reply ended (a cancelled request

@@ -11,24 +11,41 @@ handed in.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from moetray.engine.telemetry import Telemetry, device_memory
 from moetray.policy import wire
 
 if TYPE_CHECKING:
+    from moetray.engine.cb import BatchRunner
     from moetray.engine.load import LoadState, ServedModel
     from moetray.engine.pools import Pools
 
 
-def health(state: str, load: LoadState, served: ServedModel | None) -> wire.Health:
-    """``policy.wire.Health``: the state, the loading stage, the failure's reason, the model."""
+def health(
+    state: str,
+    load: LoadState,
+    served: ServedModel | None,
+    runner: BatchRunner | None,
+    busy: Callable[[], bool],
+) -> wire.Health:
+    """``policy.wire.Health``: the state, the loading stage, the failure's reason, the model, and
+    the batch loop's heartbeat once it runs (``busy()``: whether requests are in flight)."""
     body: wire.Health = {"state": state, "load_progress": load.progress}
     if load.error is not None:
         body["error"] = load.error
         body["error_kind"] = load.error_kind
     if served is not None:
         body["model"] = served.model_id
+    if runner is not None:
+        last = runner.last_step_at
+        body["heartbeat"] = {
+            "steps": runner.steps,
+            "age_s": None if last is None else round(time.monotonic() - last, 3),
+            "busy": busy(),
+        }
     return body
 
 

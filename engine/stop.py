@@ -5,8 +5,9 @@ drain (bounded wait for the requests in flight to finish) → abort whatever is 
 cancelled at its next step boundary) and wait for the abort barrier (bounded) → gate
 ``seal`` (the totals are fixed once; a retry gets the identical value) → the receipt is
 made durable by ``outbox.finish_stop`` (persist first, then the reply is the signal) → the
-reply carries the receipt. A retried stop returns the same receipt, and the outbox
-directory holds one file for it.
+reply carries the receipt, and counts the requests that were in flight when the stop began:
+``drained`` (finished on their own) and ``aborted`` (cancelled after the drain timed out).
+A retried stop returns the same receipt and counts, and the outbox directory holds one file.
 
 The flow gets the gate (``engine.gate.Gate``) and the request registry, never the engine.
 May import those rooms, ``platformdirs`` and ``moetray.policy``.
@@ -50,7 +51,7 @@ async def prepare_stop(
 
     ``identity`` names this engine in the receipt; ``accounting`` gives the totals the gate seals.
     """
-    gate.begin_stop()  # StopRefused("rebuild_in_progress"): nothing changed
+    in_flight = gate.begin_stop(requests.running)  # StopRefused("rebuild_in_progress"): nothing changed
     drain = DEFAULT_DRAIN_TIMEOUT_S if drain_timeout_s is None else max(float(drain_timeout_s), 0.0)
     drained = await requests.wait_idle(drain)
     aborted = 0
@@ -60,16 +61,18 @@ async def prepare_stop(
             DEFAULT_ABORT_TIMEOUT_S if abort_timeout_s is None else max(abort_timeout_s, 0.0)
         )
 
-    def in_flight() -> int:
+    def still_active() -> int:
         activity = requests.activity()
         return activity.pending_prefill + activity.running_decode + activity.undrained_replies
 
-    sealed = gate.seal(in_flight, snapshot=accounting)
+    counts = {"drained": max(in_flight - aborted, 0), "aborted": aborted}
+    sealed, counts = gate.seal(still_active, snapshot=accounting, counts=counts)
     receipt = Receipt.from_sealed(identity, sealed)
     # In an HTTP server the reply is the signal: the receipt is on disk before we answer.
     finish_stop(receipt, persist=outbox.persist, signal=lambda r: None)
     log.info("stopped: receipt %s (%s), %d aborted", receipt.id, receipt.status.value, aborted)
     body = sealed.to_json()
+    body.update(counts)
     body.update(
         {
             "receipt": receipt.to_json(),

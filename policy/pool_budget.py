@@ -568,9 +568,19 @@ class PoolBudget:
         )
 
     def to_wire(
-        self, current: PoolSizes, *, kv_pages_used: int | None, kv_pages_evictable: int | None
+        self,
+        current: PoolSizes,
+        *,
+        kv_pages_used: int | None,
+        kv_pages_evictable: int | None,
+        live_moe_bytes: int | None = None,
+        live_kv_bytes: int | None = None,
     ) -> dict[str, object]:
-        """The snapshot's ``pools`` object (``policy.wire.PoolInfo``) for ``current`` sizes."""
+        """The snapshot's ``pools`` object (``policy.wire.PoolInfo``) for ``current`` sizes.
+
+        ``kv_pages_used`` / ``kv_pages_evictable`` and the bytes each live pool holds
+        (``live_*_bytes``, measured, not priced) come from the caller; unknown is ``None``.
+        """
         return {
             "moe_slots": current.moe_slots,
             "kv_pages": current.kv_pages,
@@ -587,6 +597,7 @@ class PoolBudget:
             "limits": self.limits().to_wire(),
             "kv_pages_used": kv_pages_used,
             "kv_pages_evictable": kv_pages_evictable,
+            "live_bytes": {"moe_slots": live_moe_bytes, "kv_pages": live_kv_bytes},
         }
 
     @classmethod

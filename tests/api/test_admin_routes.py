@@ -204,7 +204,13 @@ def test_the_pools_payload_is_the_budgets_wire_form(live):
     pools = live.wait_idle()["pools"]
     budget = live.engine.pools.budget
     current = PoolSizes(pools["moe_slots"], pools["kv_pages"])
-    used, evictable = pools["kv_pages_used"], pools["kv_pages_evictable"]
-    assert pools == budget.to_wire(current, kv_pages_used=used, kv_pages_evictable=evictable)
+    used, evictable, live = pools["kv_pages_used"], pools["kv_pages_evictable"], pools["live_bytes"]
+    assert pools == budget.to_wire(
+        current,
+        kv_pages_used=used,
+        kv_pages_evictable=evictable,
+        live_moe_bytes=live["moe_slots"],
+        live_kv_bytes=live["kv_pages"],
+    )
     dashboard = PoolBudget.from_wire(pools)
     assert (dashboard.limits(), dashboard.presets()) == (budget.limits(), budget.presets())
