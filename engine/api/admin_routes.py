@@ -112,10 +112,15 @@ def build_router(
 
     @router.post("/admin/cache/rebuild")
     async def rebuild(body: RebuildBody):
+        idle_timeout_s = body.idle_timeout_s
+        if idle_timeout_s is None:
+            idle_timeout_s = engine.options.rebuild_idle_timeout_s
         status_code, payload = await run_rebuild(
-            engine,
             body.model_dump(exclude_none=True),
-            idle_timeout_s=body.idle_timeout_s,
+            gate=engine.gate,
+            pools=engine.pools,
+            requests=engine.requests,
+            idle_timeout_s=idle_timeout_s,
             txn_timeout_s=body.txn_timeout_s,
         )
         kind = payload.get("error", {}).get("kind") if status_code >= 400 else None
@@ -125,14 +130,14 @@ def build_router(
     @router.post("/admin/cache/rebuild/stop-running")
     async def rebuild_stop_running():
         try:
-            return {"stopped": stop_running_for_resplit(engine)}
+            return {"stopped": stop_running_for_resplit(engine.gate, engine.requests)}
         except RebuildWaitRefused as exc:
             return JSONResponse(error_body(exc.kind, str(exc)), status_code=refusal_for(exc.kind).status)
 
     @router.post("/admin/cache/rebuild/cancel")
     async def rebuild_cancel():
         try:
-            cancel_resplit(engine)
+            cancel_resplit(engine.gate)
         except RebuildWaitRefused as exc:
             return JSONResponse(error_body(exc.kind, str(exc)), status_code=refusal_for(exc.kind).status)
         return {"cancelled": True}
@@ -141,7 +146,13 @@ def build_router(
     async def stop(body: StopBody | None = None) -> dict[str, Any]:
         body = body or StopBody()
         return await prepare_stop(
-            engine, drain_timeout_s=body.drain_timeout_s, abort_timeout_s=body.abort_timeout_s, outbox=box
+            engine.gate,
+            engine.requests,
+            identity=engine.identity,
+            accounting=engine.sealed_accounting,
+            drain_timeout_s=body.drain_timeout_s,
+            abort_timeout_s=body.abort_timeout_s,
+            outbox=box,
         )
 
     return router

@@ -28,7 +28,6 @@ from moetray.engine.budget import MAX_TOKENS_CEILING
 from moetray.engine.cb import Sampling
 from moetray.engine.chat import ChatDelta, TextStream
 from moetray.engine.core import Engine, RequestRecord
-from moetray.engine.rebuild import hold_for_resplit
 from moetray.policy.parser import CallArguments, CallEnd, CallStart
 
 # --- request models ---------------------------------------------------------------------------
@@ -123,7 +122,7 @@ def _sampling(engine: Engine, body: SamplingFields) -> Sampling:
         if body.moetray_test_forced_tokens is not None:
             forced = tuple(body.moetray_test_forced_tokens)
         else:
-            forced = tuple(engine.chat.encode(body.moetray_test_forced_text))
+            forced = tuple(engine.chat_support().encode(body.moetray_test_forced_text))
     return Sampling(
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -257,7 +256,7 @@ def build_router(engine: Engine) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        await hold_for_resplit(engine)  # a re-split under way: wait for it, not a refusal
+        await engine.gate.hold()  # a re-split under way: wait for it, not a refusal
         chat = engine.chat_support()
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -286,7 +285,7 @@ def build_router(engine: Engine) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        await hold_for_resplit(engine)
+        await engine.gate.hold()
         chat = engine.chat_support()
         if body.echo:
             raise ApiError("invalid_request_error", "echo is not supported", param="echo")
