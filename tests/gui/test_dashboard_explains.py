@@ -10,7 +10,7 @@ import copy
 
 import pytest
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QPalette
+from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QAbstractButton, QAbstractSlider, QAbstractSpinBox, QApplication, QComboBox
 from replay_data import snapshots
 
@@ -88,6 +88,35 @@ def test_presets_and_apply_are_reached_with_tab(window, qtbot):
     assert pools.change_label.isVisible() and "Context shrinks" in pools.change_label.text()
 
 
+def test_every_enabled_control_on_every_tab_is_reached_with_tab(window, qtbot):
+    """Walks the real focus chain with Tab presses from the tab bar, on each tab in turn (the
+    live table's per-row Stop buttons included), and switches tabs from the keyboard."""
+    bar = window.tabs.tabBar()
+    for index, name in enumerate(TABS):
+        window.show_tab(name)
+        QApplication.processEvents()
+        controls = {w for kind in (QAbstractButton, QAbstractSlider, QAbstractSpinBox, QComboBox)
+                    for w in window.findChildren(kind)
+                    if w.isVisibleTo(window) and w.isEnabled() and type(w).__name__ not in ("QScrollBar",)
+                    and w.parent() is not bar}
+        assert controls, name
+        bar.setFocus()
+        qtbot.waitUntil(bar.hasFocus, timeout=2000)
+        reached = set()
+        for _ in range(3 * len(controls) + 20):
+            qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_Tab)
+            reached.add(QApplication.focusWidget())
+        missing = sorted(f"{type(w).__name__} {getattr(w, 'text', str)()!r}" for w in controls - reached)
+        assert missing == [], name
+        assert bar in reached, "the tab bar is in the focus chain"
+        if name == "Requests":
+            assert window.requests.stop_buttons and set(window.requests.stop_buttons.values()) <= reached
+        if index + 1 < len(TABS):
+            bar.setFocus()
+            qtbot.keyClick(bar, Qt.Key.Key_Right)
+            assert window.tabs.currentIndex() == index + 1, "arrow keys move between tabs"
+
+
 def test_preset_buttons_preview_their_change_in_the_tooltip(window):
     window.show_tab("Pools")
     tip = window.pools.preset_buttons["minimum"].toolTip()
@@ -135,6 +164,21 @@ def test_one_theme_colours_widgets_charts_and_heatmap(window, light_theme):
     themes().apply("light")
     assert QApplication.palette().color(QPalette.ColorRole.Window).lightness() >= 128
     assert chart.backgroundBrush().color().name() == LIGHT.background
+
+
+def test_the_system_theme_follows_the_desktops_palette(qapp, light_theme):
+    """With no colour-scheme hint from the platform (offscreen gives none), ``system`` follows
+    the palette the desktop started the application with."""
+    from moetray.ui.theme import ThemeManager, dark_palette
+
+    start = QPalette(qapp.palette())
+    try:
+        qapp.setPalette(dark_palette())
+        assert ThemeManager(qapp).apply("system") is DARK
+        qapp.setPalette(QPalette(QColor("#eeeeee")))  # a light desktop
+        assert ThemeManager(qapp).apply("system") is LIGHT
+    finally:
+        qapp.setPalette(start)
 
 
 def test_the_pools_panel_offers_stop_them_and_apply_and_cancel_while_waiting(qtbot):
