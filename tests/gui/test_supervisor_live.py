@@ -146,3 +146,47 @@ def test_a_model_the_engine_refuses_shows_the_engines_own_reason(supervised, qtb
     # A refused model is never saved as the last or a recent one.
     assert str(dense) not in supervised.settings.recent_models
     assert supervised.settings.last_model != str(dense)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_settings_that_need_a_restart_say_so_and_restart_the_engine_on_the_lan_with_its_key(
+        supervised, tiny_model, qtbot):
+    """The Settings dialog on a serving engine: LAN and a new port need a restart, the dialog says
+    so and offers it; accepting restarts the engine there, and the API then wants the key kept
+    in the 0600 file beside the settings."""
+    import httpx
+
+    from moetray.app.settings import LAN
+
+    app = supervised
+    first = _serve(app, qtbot, tiny_model)
+    dialog = app.open_settings()
+    assert not dialog.restart_box.isVisible()
+    port = _free_port()
+    dialog.port.setValue(port)
+    dialog.host.setCurrentIndex(dialog.host.findData(LAN))
+    assert dialog.engine_changes() == ["address", "port"]
+    assert "needs an engine restart" in dialog.restart_note.text() and dialog.restart_note.isVisible()
+    assert dialog.restart_box.isVisible() and dialog.restart_now  # offered, and on by default
+    assert dialog.api_key_note.isVisible() and str(app.settings.api_key_path) in dialog.api_key_note.text()
+    dialog.accept()
+    qtbot.waitUntil(lambda: app.model.engine.state == EngineState.SERVING
+                    and app.supervisor.pid not in (None, first), timeout=START_MS)
+    assert not _alive(first) or _zombie(first)
+    assert app.settings.host == LAN and app.settings.port == port
+    assert app.model.engine.api_url.endswith(f":{port}/v1"), app.model.engine.api_url
+    key_file = app.settings.api_key_path
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = key_file.read_text().strip()
+    models = f"http://127.0.0.1:{port}/v1/models"
+    assert httpx.get(models, timeout=30, trust_env=False).status_code == 401
+    r = httpx.get(models, headers={"Authorization": f"Bearer {key}"}, timeout=30, trust_env=False)
+    assert r.status_code == 200, r.text
