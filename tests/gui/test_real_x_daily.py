@@ -179,6 +179,10 @@ def test_daily_use_on_a_real_x_server(x_display, tiny_model, tmp_path):  # noqa:
                 line for line in now["menu"] if isinstance(line, str))
             previous = now
         second.touch("crashes-done")
+        # A terminal user sees the same on stderr: the crashes and the state changes.
+        said = second.text()
+        assert said.count("WARNING engine crashed: ") == 3, said[-3000:]
+        assert said.count("INFO engine serving") >= 4 and "INFO engine loading" in said, said[-3000:]
 
         # 4. A re-split during a long stream: a second request waits, then succeeds.
         api = previous["api_url"]
