@@ -33,7 +33,14 @@ def has_display(environ: Mapping[str, str], platform: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ENGINE_SUBCOMMANDS:
-        module = importlib.import_module(ENGINE_SUBCOMMANDS[argv[0]])
+        try:
+            module = importlib.import_module(ENGINE_SUBCOMMANDS[argv[0]])
+        except KeyboardInterrupt:  # a Stop while the engine's modules still import: end quietly
+            from moetray.policy.wire import PARENT_PID_ENV, interrupted_by
+
+            print(f"moetray {argv[0]}: stopped by {interrupted_by(os.environ.get(PARENT_PID_ENV))} "
+                  "before it started", file=sys.stderr)
+            return 0
         return int(module.main(argv[1:]) or 0)
     from moetray.app.main import parse_args  # no Qt: argparse only
 

@@ -38,7 +38,12 @@ from moetray.engine.api.security import (  # noqa: E402
     load_credentials,
 )
 from moetray.engine.lifeline import watch_parent  # noqa: E402
-from moetray.policy.wire import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, PARENT_PID_ENV  # noqa: E402
+from moetray.policy.wire import (  # noqa: E402
+    API_KEY_ENV,
+    DEFAULT_MAX_BODY_BYTES,
+    PARENT_PID_ENV,
+    interrupted_by,
+)
 
 if TYPE_CHECKING:
     from moetray.engine.core import Engine, EngineOptions
@@ -235,7 +240,7 @@ def main(argv: list[str]) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     tray = os.environ.get(PARENT_PID_ENV)
-    stopper = f"the tray (pid {tray})" if tray else "Ctrl-C"  # under a tray, SIGINT is its Stop
+    stopper = interrupted_by(tray)  # under a tray, SIGINT is its Stop
     watch_parent(tray)
     try:
         return _serve(args, stopper)

@@ -22,6 +22,11 @@ API_KEY_ENV = "MOETRAY_API_KEY"
 """Environment variable holding the key `/v1/*` requires (mandatory for a non-loopback bind)."""
 PARENT_PID_ENV = "MOETRAY_PARENT_PID"
 """Environment variable naming the tray that started the engine: the engine ends when it dies."""
+
+
+def interrupted_by(parent_pid: str | None) -> str:
+    """Who a SIGINT to the engine comes from: its tray's Stop (``PARENT_PID_ENV`` set) or Ctrl-C."""
+    return f"the tray (pid {parent_pid})" if parent_pid else "Ctrl-C"
 EVENTS_INTERVAL_S = 1.0
 """Cadence of `GET /admin/events`: one snapshot per interval."""
 SNAPSHOT_EVENT = "status"

@@ -91,6 +91,24 @@ def test_unknown_arguments_are_refused_not_taken_for_serve(tmp_path, display):
         assert "serving the default model" not in done.stderr
 
 
+def test_a_stop_while_the_engine_still_imports_ends_quietly_as_the_trays_stop(monkeypatch, capsys):
+    """The tray's Stop (SIGINT) can land while ``moetray serve`` still imports its modules, before
+    the engine's own handler exists: no traceback, exit 0, and it says who stopped it. (The live
+    version, timing-dependent, is tests/api/test_engine_lifeline.py.)"""
+    import importlib
+
+    from moetray.app import cli
+    from moetray.policy.wire import PARENT_PID_ENV
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    monkeypatch.setenv(PARENT_PID_ENV, "4242")
+    assert cli.main(["serve", "--port", "0"]) == 0
+    assert "moetray serve: stopped by the tray (pid 4242) before it started" in capsys.readouterr().err
+
+
 def test_bad_arguments_are_refused_in_one_sentence_before_qt():
     with pytest.raises(PrepareRefused, match="--attach needs an http"):
         prepare(parse_args(["--attach", "localhost:8080"]), environ={})
