@@ -1,7 +1,9 @@
 """Throughput, latency and memory figures for ``GET /admin/status`` and ``/admin/events``.
 
 Counters are exact totals; rates are over a sliding window of ``window_s`` seconds of the
-passed-in clock. An unknown figure is ``None`` (JSON ``null``), never 0: no tok/s before
+passed-in clock, and percentiles over the latest ``TTFT_SAMPLES`` first tokens. A window is
+never a count: its length shrinks as events age out (mid-request, too), so whoever needs to
+know how many events happened reads the ``*_total`` counters. An unknown figure is ``None`` (JSON ``null``), never 0: no tok/s before
 the first token, no TTFT percentile before the first request, no footprint where
 ``/proc`` cannot be read, no GPU figure on a machine without one.
 """
@@ -44,6 +46,8 @@ class Telemetry:
         self._lock = threading.Lock()
         self._token_events: collections.deque[tuple[float, int]] = collections.deque()
         self._ttft_ms: collections.deque[float] = collections.deque(maxlen=TTFT_SAMPLES)
+        self.token_events_total = 0  # calls of tokens(): one per step that generated tokens
+        self.first_tokens_total = 0  # calls of first_token(): one per request that produced a token
         self.requests_served = 0
         self.prompt_tokens_total = 0
         self.completion_tokens_total = 0
@@ -57,11 +61,13 @@ class Telemetry:
         now = self._clock()
         with self._lock:
             self._token_events.append((now, n))
+            self.token_events_total += 1
             self._trim(now)
 
     def first_token(self, ttft_s: float) -> None:
         with self._lock:
             self._ttft_ms.append(ttft_s * 1000.0)
+            self.first_tokens_total += 1
 
     def finished(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         """A request left the engine (done, stopped or cancelled): its tokens count."""

@@ -73,11 +73,11 @@ def test_a_quiet_reply_is_accounted_step_by_step(live):
     lump at the end), its first token is timed once, and the totals count every token."""
     telemetry = live.engine.telemetry
     served0, total0 = telemetry.requests_served, telemetry.completion_tokens_total
-    events0, ttft0 = len(telemetry._token_events), len(telemetry._ttft_ms)
+    events0, ttft0 = telemetry.token_events_total, telemetry.first_tokens_total
     whole = _chat(live)
     assert whole["usage"]["completion_tokens"] == 10
-    assert len(telemetry._token_events) - events0 == 10
-    assert len(telemetry._ttft_ms) - ttft0 == 1
+    assert telemetry.token_events_total - events0 == 10
+    assert telemetry.first_tokens_total - ttft0 == 1
     assert (telemetry.requests_served - served0, telemetry.completion_tokens_total - total0) == (1, 10)
 
 

@@ -172,3 +172,26 @@ def test_the_draw_processor_without_sampled_rows_takes_the_argmax_path():
     out = draw(scores, torch.tensor([-1, -(3 + 2)], dtype=torch.int32))
     assert out.argmax(dim=-1).tolist() == [1, 3]
     assert torch.isinf(out).sum().item() == 2 * 3
+
+
+# --- telemetry ---------------------------------------------------------------------------------
+
+
+def test_telemetry_windows_shrink_as_events_age_but_its_totals_only_grow():
+    """The tok/s window drops events by age while new ones arrive, and the TTFT samples are
+    capped: counting events by their length undercounts (the quiet-reply test once did, after
+    earlier tests' events aged out mid-request). The ``*_total`` counters are exact."""
+    from moetray.engine.telemetry import TTFT_SAMPLES, Telemetry
+
+    now = [0.0]
+    t = Telemetry(lambda: now[0], window_s=10.0)
+    for _ in range(5):
+        t.tokens(1)
+    now[0] = 10.5  # the five earlier events are past the window when the next ones land
+    for _ in range(3):
+        t.tokens(1)
+    assert len(t._token_events) == 3 and t.token_events_total == 8
+    for _ in range(TTFT_SAMPLES + 2):
+        t.first_token(0.01)
+    assert len(t._ttft_ms) == TTFT_SAMPLES and t.first_tokens_total == TTFT_SAMPLES + 2
+    assert t.tok_s() == 0.3
