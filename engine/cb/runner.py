@@ -11,6 +11,7 @@ stops it (KV-pool resize); the sampling stages (``sampling``) and the radix ledg
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from transformers.generation.continuous_batching.cache_allocators.cache_allocato
 from transformers.generation.continuous_batching.continuous_api import OutputRouter
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
-from moetray.engine.cb.kv import lazily_zeroed_cpu_cache
+from moetray.engine.cb.kv import lazily_zeroed_cpu_cache, return_freed_heap
 from moetray.engine.cb.prefix import (
     PREFIX_POLICIES,
     RADIX_SCHEDULER,
@@ -201,6 +202,9 @@ class BatchRunner:
             manager.stop(block=True, timeout=timeout)
         manager.batch_processor = None
         manager.destroy()
+        del manager
+        gc.collect()  # the manager is a reference cycle: its buffers are freed here, not at some later GC
+        return_freed_heap()
 
     @property
     def running(self) -> bool:

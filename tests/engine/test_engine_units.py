@@ -195,3 +195,24 @@ def test_telemetry_windows_shrink_as_events_age_but_its_totals_only_grow():
         t.first_token(0.01)
     assert len(t._ttft_ms) == TTFT_SAMPLES and t.first_tokens_total == TTFT_SAMPLES + 2
     assert t.tok_s() == 0.3
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_freed_heap_held_between_live_blocks_is_handed_back():
+    """What a stopped batch loop frees lies between blocks still in use, so glibc cannot shrink
+    its heap from the top and keeps it resident; ``return_freed_heap`` (called by
+    ``BatchRunner.stop``) hands it back."""
+    import psutil
+
+    from moetray.engine.cb.kv import return_freed_heap
+
+    proc = psutil.Process()
+    freed_blocks, kept = [], []
+    for _ in range(3200):  # 200 MiB of 64 KiB blocks, below the mmap threshold: on the heap
+        freed_blocks.append(bytearray(b"x" * (64 << 10)))
+        kept.append(bytearray(b"y" * 600))
+    del freed_blocks
+    held = proc.memory_info().rss
+    return_freed_heap()
+    assert held - proc.memory_info().rss >= 100 << 20
+    assert len(kept) == 3200
