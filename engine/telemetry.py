@@ -3,9 +3,10 @@
 Counters are exact totals; rates are over a sliding window of ``window_s`` seconds of the
 passed-in clock, and percentiles over the latest ``TTFT_SAMPLES`` first tokens. A window is
 never a count: its length shrinks as events age out (mid-request, too), so whoever needs to
-know how many events happened reads the ``*_total`` counters. An unknown figure is ``None`` (JSON ``null``), never 0: no tok/s before
-the first token, no TTFT percentile before the first request, no footprint where
-``/proc`` cannot be read, no GPU figure on a machine without one.
+know how many events happened reads the ``*_total`` counters. An unknown figure is ``None``
+(JSON ``null``), never 0: no tok/s before the first token, no TTFT percentile before the
+first request, no footprint where ``/proc`` cannot be read, no GPU figure on a machine
+without one.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class LoadPlan:
 
     streams: int
     disconnect_fraction: float = 0.3
-    max_tokens: tuple[int, int] = (8, 48)  # drawn uniformly per request; ignore_eos keeps every reply that long
+    max_tokens: tuple[int, int] = (8, 48)  # drawn per request; ignore_eos makes every reply that long
     requests_per_stream: int | None = None
     duration_s: float | None = None
     seed: int = 0
@@ -69,7 +69,7 @@ class LoadTally:
     statuses: Counter[int] = field(default_factory=Counter)  # every answer's status, retries included
     retried: Counter[str] = field(default_factory=Counter)  # ``retry: now`` refusals sat out, by kind
     server_errors: int = 0  # 5xx answers other than those documented ``retry: now`` refusals
-    unexpected: list[str] = field(default_factory=list)  # any other refusal, a broken stream, a transport error
+    unexpected: list[str] = field(default_factory=list)  # other refusals, broken streams, transport errors
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -125,7 +125,7 @@ async def _one_request(client: httpx.AsyncClient, body: dict[str, Any], hang_up_
             if done and finish is not None:
                 tally.completed += 1
             else:
-                tally.unexpected.append(f"stream broke after {chunks} chunks (finish {finish!r}, done {done})")
+                tally.unexpected.append(f"stream broke after {chunks} chunks ({finish=}, {done=})")
             return
     tally.unexpected.append(f"still refused after {REFUSAL_RETRIES} retries: {dict(tally.retried)}")
 
@@ -147,7 +147,8 @@ async def run_load(url: str, plan: LoadPlan, tally: LoadTally | None = None) -> 
         while (plan.requests_per_stream is None or sent < plan.requests_per_stream) and (
                 deadline is None or time.monotonic() < deadline):
             max_tokens = rng.randint(*plan.max_tokens)
-            hang_up = rng.randint(2, max(2, max_tokens // 2 + 1)) if rng.random() < plan.disconnect_fraction else None
+            hangs_up = rng.random() < plan.disconnect_fraction
+            hang_up = rng.randint(2, max(2, max_tokens // 2 + 1)) if hangs_up else None
             body = {"model": "soak", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
                     "temperature": 0.7, "seed": rng.randrange(1 << 30),
                     "messages": [{"role": "user", "content": _prompt(rng, index * 100000 + sent)}]}
@@ -199,7 +200,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resplit-every-s", type=float, default=60.0, help="0: no re-splits")
     p.add_argument("--kv-tokens", type=int, default=4096, help="small, so the load saturates the pool")
     p.add_argument("--sample-s", type=float, default=2.0)
-    p.add_argument("--model", type=Path, default=None, help="checkpoint (default: the serve bench's tiny MoE)")
+    p.add_argument("--model", type=Path, default=None, help="default: the serve bench's tiny MoE")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logdir", type=Path, default=None)
@@ -223,7 +224,8 @@ async def _soak(child, args, warmup_s: float) -> dict[str, Any]:
 
     def sample() -> int:
         rss = int(proc.memory_info().rss)
-        samples.append({"t_s": round(time.monotonic() - began, 1), "rss": rss, "kv_tokens": pool["kv_tokens"]})
+        t_s = round(time.monotonic() - began, 1)
+        samples.append({"t_s": t_s, "rss": rss, "kv_tokens": pool["kv_tokens"]})
         return rss
 
     async def sampler() -> None:

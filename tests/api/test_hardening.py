@@ -14,36 +14,9 @@ import time
 import httpx
 import pytest
 from engine_harness import ADMIN
+from health_poll import HealthPoller
 
 FOUR_MB = 4 << 20
-
-
-class HealthPoller:
-    """Polls ``/health`` every 250 ms on its own thread; records each answer's latency (or its error)."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.latencies, self.errors = url, [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=10.0) as client:
-            while not self._stop.is_set():
-                began = time.monotonic()
-                try:
-                    client.get(f"{self.url}/health").raise_for_status()
-                    self.latencies.append(time.monotonic() - began)
-                except httpx.HTTPError as exc:
-                    self.errors.append(repr(exc))
-                self._stop.wait(0.25)
-
-    def __enter__(self) -> HealthPoller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
 
 
 def test_a_4mb_prompt_never_stalls_the_event_loop(live):

@@ -1,4 +1,4 @@
-"""Issue 11's load, CI-sized: streams that hang up mid-stream and a re-split in the middle leave nothing behind.
+"""Issue 11's load, CI-sized: streams hanging up mid-stream and a re-split leave nothing behind.
 
 24 clients send streaming chat completions back to back; 30 % of the requests hang up after a
 few chunks. Once half the requests have been sent the KV pool is re-split under that load
