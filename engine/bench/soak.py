@@ -39,6 +39,8 @@ import httpx
 
 DRIFT_GOAL_PCT = 5.0
 MIB = 1 << 20
+SETTLE_S = 30.0
+"""Seconds after a re-split before RSS is read as a trend (the load touches the new pool first)."""
 REFUSAL_RETRIES = 120
 """How many ``retry: now`` refusals one request sits out before it counts as failed."""
 
@@ -188,6 +190,20 @@ def wait_settled(url: str, token: str, timeout_s: float = 120.0) -> dict[str, An
                        f"pools {snap.get('pools')}")
 
 
+def tail_slope_mib_per_min(samples: list[dict[str, Any]], resplits: list[dict[str, Any]],
+                           warmup_s: float) -> float | None:
+    """The RSS trend (least squares, MiB per minute) from ``SETTLE_S`` after the last re-split (a new
+    pool's pages are touched in that time), or from the warm-up's end: what RSS would keep doing
+    with the pools left alone. None with fewer than 3 samples."""
+    since = max([warmup_s] + [r["t_s"] + SETTLE_S for r in resplits])
+    tail = [(s["t_s"] / 60.0, s["rss"] / MIB) for s in samples if s["t_s"] >= since]
+    if len(tail) < 3:
+        return None
+    import statistics
+
+    return round(statistics.linear_regression([t for t, _ in tail], [r for _, r in tail]).slope, 3)
+
+
 # --- the bench --------------------------------------------------------------------------------
 
 
@@ -279,12 +295,14 @@ def main(argv: list[str]) -> int:
     drift_pct = 100.0 * (end - baseline) / baseline
     after = [s for s in run["samples"] if s["t_s"] >= warmup_s]
     peak = max(s["rss"] for s in after)
+    tail = tail_slope_mib_per_min(run["samples"], run["resplits"], warmup_s)
     served = tally.completed + tally.disconnected
     results = {
         "rss_baseline_bytes": baseline,
         "rss_end_bytes": end,
         "rss_peak_after_warmup_bytes": peak,
         "rss_drift_pct": round(drift_pct, 2),
+        "rss_tail_slope_mib_per_min": tail,
         "goal_met": abs(drift_pct) < DRIFT_GOAL_PCT,
         "load": tally.to_json(),
         "resplits": run["resplits"],
@@ -296,7 +314,7 @@ def main(argv: list[str]) -> int:
     }
     rows = [[args.streams, run["load_s"], served, tally.disconnected, len(run["resplits"]),
              tally.server_errors, len(tally.unexpected), settled["pools"]["kv_pages_used"],
-             round(baseline / MIB, 1), round(end / MIB, 1), round(drift_pct, 2)]]
+             round(baseline / MIB, 1), round(end / MIB, 1), round(drift_pct, 2), tail]]
     path = write_receipt(
         "soak",
         params={"streams": args.streams, "duration_s": args.duration_s, "warmup_s": warmup_s,
@@ -304,7 +322,8 @@ def main(argv: list[str]) -> int:
                 "kv_tokens": args.kv_tokens, "threads": args.threads, "seed": args.seed, "model": str(model)},
         results=results,
         columns=["streams", "load s", "requests", "hung up", "re-splits", "5xx", "other failures",
-                 "KV pages in use at end", "RSS after warm-up MiB", "RSS at end MiB", "RSS drift %"],
+                 "KV pages in use at end", "RSS after warm-up MiB", "RSS at end MiB", "RSS drift %",
+                 "RSS trend at end MiB/min"],
         rows=rows,
         title="Soak: streams with mid-stream disconnects and re-splits, the engine's RSS drift",
         notes=[f"goal: RSS drift < {DRIFT_GOAL_PCT:g} % (end vs end of warm-up, startup KV pool live and "
