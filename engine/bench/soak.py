@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -199,8 +200,6 @@ def tail_slope_mib_per_min(samples: list[dict[str, Any]], resplits: list[dict[st
     tail = [(s["t_s"] / 60.0, s["rss"] / MIB) for s in samples if s["t_s"] >= since]
     if len(tail) < 3:
         return None
-    import statistics
-
     return round(statistics.linear_regression([t for t, _ in tail], [r for _, r in tail]).slope, 3)
 
 
