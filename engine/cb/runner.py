@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -132,7 +131,6 @@ class BatchRunner:
         self.manager: ContinuousBatchingManager | None = None
         self._cached_tokens: dict[str, int] = {}
         self._handlers: dict[str, Handler] = {}
-        self._lock = threading.Lock()
         self.steps = 0  # batch steps taken: the loop's heartbeat
         self.last_step_at: float | None = None  # time.monotonic() of the latest step
 

@@ -250,7 +250,7 @@ def test_a_client_leaving_during_the_worker_hop_leaves_no_request_and_no_page(li
     snap = live.wait_idle(timeout=60)
     assert snap["requests"] == [] and snap["pools"]["kv_pages_used"] == 0, snap["pools"]
     assert live.engine.telemetry.requests_served - served0 <= 1  # admitted at most once, then gone
-    live.engine.runner.check_integrity()
+    live.engine.pools.runner.check_integrity()
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -258,10 +258,10 @@ def test_a_client_leaving_during_a_long_prefill_cancels_it_there(tiny_qwen3, sta
     """A near-context prompt prefilled in many small steps; the client hangs up mid-prefill: the
     request is cancelled before its first token and gives back every page."""
     engine = start_engine(tiny_qwen3, max_batch_tokens=16, test_step_delay_s=0.05)
-    limit = engine.engine.ceiling.limit
+    limit = engine.engine.pools.ceiling.limit
     prompt = [3 + (i * 7) % 300 for i in range(limit - 64)]  # ~60 prefill steps of 16 tokens
     body = {"prompt": prompt, "max_tokens": 32, "ignore_eos": True, "stream": stream}
-    tokens0, steps0 = engine.engine.telemetry.completion_tokens_total, engine.engine.runner.steps
+    tokens0, steps0 = engine.engine.telemetry.completion_tokens_total, engine.engine.pools.runner.steps
 
     def prefilling() -> bool:
         return any(r["state"] == "prefill" for r in engine.engine.active_requests())
@@ -270,6 +270,6 @@ def test_a_client_leaving_during_a_long_prefill_cancels_it_there(tiny_qwen3, sta
     snap = engine.wait_idle(timeout=60)
     assert snap["requests"] == [] and snap["pools"]["kv_pages_used"] == 0, snap["pools"]
     assert engine.engine.telemetry.completion_tokens_total == tokens0  # cancelled before its first token
-    assert engine.engine.runner.steps - steps0 < len(prompt) // 16  # the prefill was never finished
+    assert engine.engine.pools.runner.steps - steps0 < len(prompt) // 16  # the prefill was never finished
     assert engine.engine.telemetry.requests_served == 1
-    engine.engine.runner.check_integrity()
+    engine.engine.pools.runner.check_integrity()

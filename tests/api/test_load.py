@@ -58,4 +58,4 @@ def test_streams_with_hangups_and_a_resplit_leave_no_page_no_request_and_no_5xx(
     assert snap["pools"]["kv_pages_used"] == 0, snap["pools"]
     assert snap["pools"]["kv_tokens"] == 1024
     assert telemetry.requests_served - served0 == plan.total  # each left the engine once
-    engine.engine.runner.check_integrity()
+    engine.engine.pools.runner.check_integrity()
