@@ -10,6 +10,7 @@ import pytest
 from moetray.engine.api.security import (
     BindRefused,
     HostPolicy,
+    api_key_from,
     bearer,
     check_bind,
     host_of,
@@ -95,6 +96,24 @@ def test_api_key_flag_wins_over_the_environment(tmp_path):
     open_engine = load_credentials(api_key=None, port=1, env={ADMIN_TOKEN_ENV: "t"})
     assert open_engine.api_ok(None)  # loopback without a key: /v1 is open
     assert not open_engine.admin_ok(None) and open_engine.admin_ok("Bearer t")
+
+
+def test_the_api_key_comes_from_its_file_then_the_flag_then_the_environment(tmp_path):
+    """``moetray serve`` reads the key so: a key kept off the command line (file, MOETRAY_API_KEY)
+    guards /v1/* as the flag does."""
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-file\n")
+    env = {API_KEY_ENV: "sk-env"}
+    assert api_key_from(flag="sk-flag", file=key_file, env=env) == "sk-file"
+    assert api_key_from(flag="sk-flag", file=None, env=env) == "sk-flag"
+    assert api_key_from(flag=None, file=None, env=env) == "sk-env"
+    assert api_key_from(flag=None, file=None, env={}) is None
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        api_key_from(flag=None, file=tmp_path / "empty", env=env)
+    from_env = load_credentials(api_key=None, port=1, env={API_KEY_ENV: "sk-env", ADMIN_TOKEN_ENV: "t"})
+    assert from_env.api_ok("Bearer sk-env") and not from_env.api_ok(None)
+    check_bind("0.0.0.0", api_key_from(flag=None, file=None, env=env))  # a network bind with it
 
 
 # --- context ceiling -------------------------------------------------------------------------------
