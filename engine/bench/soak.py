@@ -279,6 +279,7 @@ def main(argv: list[str]) -> int:
     warmup_s = args.warmup_s if args.warmup_s is not None else args.duration_s / 5
     model = args.model or ensure_bench_model()
     logdir = args.logdir or Path(tempfile.mkdtemp(prefix="moetray-soak-"))
+    logdir.mkdir(parents=True, exist_ok=True)  # a --logdir given may not exist yet
     child = start_moetray(
         model, kv_tokens=args.kv_tokens, budget=256 << 20, threads=args.threads, prefix="radix",
         logdir=logdir, page=16, batch_tokens=64,
