@@ -117,7 +117,9 @@ def test_a_stopped_engine_is_hung_even_when_it_was_busy(supervisor, tiny_model, 
     reason = gave_up.args[0]
     assert "stopped answering" in reason
     silent_s = float(re.search(r"no /health reply for ([\d.]+) s", reason).group(1))
-    assert silent_s > sup.busy_grace_s  # busy: the grace applied, and ran out
+    # busy: the grace applied (not the 2 s) and ran out. The reason rounds to 0.1 s, so a silence
+    # just past the grace reads as the grace itself.
+    assert silent_s >= sup.busy_grace_s
     assert sup.phase == Phase.FAILED and sup.spawn_count == 1
     qtbot.waitUntil(lambda: not _alive(pid) or _zombie(pid), timeout=20000)
     stream.join(timeout=30)
