@@ -1,6 +1,7 @@
 # The README's two commands: `make run` (set up, then start the tray app) and
-# `make test` (set up, then run every check CI runs). Both are idempotent: the
-# virtual environment at .venv/ is rebuilt only when pyproject.toml changes.
+# `make test` (set up, then run every check CI runs; `make test-fast` skips the tests
+# marked slow). Both are idempotent: the virtual environment at .venv/ is rebuilt only
+# when pyproject.toml changes.
 PY      ?= python3
 VENV    := .venv
 STAMP   := $(VENV)/.installed
@@ -9,7 +10,7 @@ APT_PKGS := xvfb trayer imagemagick x11-utils libxcb-cursor0 libxkbcommon-x11-0 
             libegl1 libgl1 libfontconfig1 libdbus-1-3 libxcb-icccm4 libxcb-keysyms1 \
             desktop-file-utils appstream
 
-.PHONY: run test setup system-deps lint bench
+.PHONY: run test test-fast setup system-deps lint bench
 .DEFAULT_GOAL := run
 
 setup: $(STAMP)
@@ -39,6 +40,10 @@ lint: setup
 
 test: setup system-deps lint
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# The inner loop: every test not marked `slow` (CI runs `make test`, which runs them all).
+test-fast: setup lint
+	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(VENV)/bin/moetray bench all
