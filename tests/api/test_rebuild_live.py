@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from bounded import join, wait_until
 from engine_harness import ADMIN, LiveEngine
 
 from moetray.policy import wire
@@ -169,9 +170,7 @@ def test_a_transaction_outliving_its_reply_keeps_the_gate_closed_until_it_ends(e
         assert rebuild(eng, kv_tokens=2048).json()["error"]["kind"] == "busy"
     finally:
         hold.set()
-    deadline = time.monotonic() + 30
-    while eng.status()["state"] != "serving" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: eng.status()["state"] == "serving", 60, "the transaction to end and reopen the gate")
     status = eng.status()
     assert status["state"] == "serving"
     assert sizes(eng) == (before[0], 1024 // 16)
@@ -205,8 +204,10 @@ def test_rebuild_before_the_model_loaded_is_not_ready(tiny_qwen3, start_engine):
 
 
 def _post_with_retry(url: str, body: dict, log: list) -> dict:
-    """What a well-behaved client does: retry a 503 after Retry-After, never give up on "now"."""
-    while True:
+    """What a well-behaved client does: retry a 503 after Retry-After, never give up on "now"
+    (within the test's patience: 120 s)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         if r.status_code == 503:
             assert r.json()["error"]["kind"] == "rebuilding"
@@ -216,6 +217,7 @@ def _post_with_retry(url: str, body: dict, log: list) -> dict:
             continue
         assert r.status_code == 200, r.text
         return r.json()
+    raise TimeoutError("waited 120 s for the re-split to let a retried request in")
 
 
 def test_rebuild_under_load_waits_refuses_new_work_with_retry_after_and_changes_no_output(slow):
@@ -232,20 +234,18 @@ def test_rebuild_under_load_waits_refuses_new_work_with_retry_after_and_changes_
     inflight = [threading.Thread(target=worker, args=(p,)) for p in prompts[:2]]
     for t in inflight:
         t.start()
-    deadline = time.monotonic() + 30
-    while len(slow.status()["requests"]) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_until(lambda: len(slow.status()["requests"]) >= 2, 60, "both in-flight requests to be admitted",
+               poll_s=0.005)
     answer: dict = {}
     rb = threading.Thread(target=lambda: answer.setdefault("r", rebuild(slow, kv_tokens=1024)))
     rb.start()
-    while httpx.get(f"{slow.url}/health").json()["state"] != "rebuilding":
-        time.sleep(0.002)
+    wait_until(lambda: httpx.get(f"{slow.url}/health").json()["state"] == "rebuilding", 60,
+               "the engine to start the re-split", poll_s=0.002)
     late = [threading.Thread(target=worker, args=(p,)) for p in prompts[2:]]
     for t in late:
         t.start()
     for t in [*inflight, rb, *late]:
-        t.join(timeout=120)
+        join(t, 120, "the requests and the re-split under load")
     assert answer["r"].status_code == 200 and answer["r"].json()["outcome"] == "applied"
     assert retries and all(r >= 1 for r in retries)
     assert results == baseline
@@ -270,8 +270,7 @@ def test_idle_wait_times_out_and_leaves_everything_as_it_was(slow):
         )
     )
     t.start()
-    while not slow.status()["requests"]:
-        time.sleep(0.005)
+    wait_until(lambda: slow.status()["requests"], 60, "the long request to be admitted", poll_s=0.005)
     before = sizes(slow)
     r = httpx.post(
         f"{slow.url}{REBUILD}", headers=ADMIN, json={"kv_tokens": 1024, "idle_timeout_s": 0.2}, timeout=30
@@ -281,6 +280,6 @@ def test_idle_wait_times_out_and_leaves_everything_as_it_was(slow):
     assert r.headers["Retry-After"] == "1"
     assert sizes(slow) == before
     assert slow.status()["state"] == "serving"
-    t.join(timeout=120)
+    join(t, 120, "the long request")
     assert done["r"].status_code == 200
     assert done["r"].json()["choices"][0]["finish_reason"] == "length"

@@ -164,7 +164,7 @@ def test_second_launch_reaches_the_first_and_a_stale_socket_is_cleared(qtbot, tm
     assert not first.forward()  # nobody listening yet
     assert first.listen()
     second = SingleInstance(name)
-    with qtbot.waitSignal(first.message_received, timeout=5000) as got:
+    with qtbot.waitSignal(first.message_received, timeout=30000) as got:
         assert second.forward("show")
     assert got.args == ["show"]
     first.close()
