@@ -199,5 +199,5 @@ def test_the_tray_process_never_loads_torch():
             "moetray.app.tray; bad = sorted(m for m in ('torch', 'transformers', 'moetray.engine') "
             "if m in sys.modules); print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+                            env={**os.environ, "QT_QPA_PLATFORM": "offscreen"}, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -18,6 +18,8 @@ from moetray.app.settings import Settings
 from moetray.app.supervisor import Phase
 from moetray.ui.viewmodels import EngineState
 
+pytestmark = pytest.mark.slow  # each test starts real engine children (5-30 s apiece)
+
 START_MS = 240000
 NOTICE_MS = 60000
 """How long a test waits for the supervisor to notice a crash or a hang: generous, since the
@@ -67,7 +69,6 @@ def _serve(app, qtbot, model: Path) -> int:
     return app.supervisor.pid
 
 
-@pytest.mark.slow
 def test_a_crashed_engine_is_restarted_once_then_a_hang_is_final(supervised, tiny_model, qtbot):
     app, sup = supervised, supervised.supervisor
     first = _serve(app, qtbot, tiny_model)
