@@ -221,15 +221,25 @@ def _post_with_retry(url: str, body: dict, log: list) -> dict:
 
 
 def test_rebuild_under_load_waits_refuses_new_work_with_retry_after_and_changes_no_output(slow):
-    """In-flight requests finish, arrivals get 503 + Retry-After, nothing fails, outputs are unchanged."""
+    """In-flight requests finish, arrivals get 503 + Retry-After, nothing fails, outputs are unchanged.
+
+    Each request runs 40 held steps (at least 0.8 s), so both in-flight ones are listed
+    together even when a loaded machine starts their threads far apart."""
     prompts = [f"load test prompt {i}" for i in range(4)]
-    baseline = {p: greedy(slow, p, n=12) for p in prompts}
+
+    def body(p):
+        return {"messages": [{"role": "user", "content": p}], "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True}
+
+    def reply_text(p, retries):
+        return _post_with_retry(slow.url, body(p), retries)["choices"][0]["message"]["content"]
+
+    baseline = {p: reply_text(p, []) for p in prompts}
     results: dict[str, str] = {}
     retries: list[float] = []
 
     def worker(p):
-        body = {"messages": [{"role": "user", "content": p}], "max_tokens": 12, "temperature": 0}
-        results[p] = _post_with_retry(slow.url, body, retries)["choices"][0]["message"]["content"]
+        results[p] = reply_text(p, retries)
 
     inflight = [threading.Thread(target=worker, args=(p,)) for p in prompts[:2]]
     for t in inflight:
