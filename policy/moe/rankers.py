@@ -107,19 +107,12 @@ class GlobalLRU(Ranker):
         return None
 
 
-class LayerLRU(Ranker):
-    """Evict the least recently routed expert of the same layer, within its fixed share."""
-
-    name = "layer_lru"
+class PerLayerRecency(Ranker):
+    """The residents of each layer in recency order (least recent first); picks no victim itself."""
 
     def __init__(self, history: RoutingHistory, capacity: int) -> None:
         super().__init__(history, capacity)
         self.orders = [OrderedDict[int, None]() for _ in range(history.num_layers)]
-        self.quota = self._quotas(capacity)
-
-    def _quotas(self, capacity: int) -> list[int]:
-        n = self.h.num_layers
-        return [capacity // n + (1 if i < capacity % n else 0) for i in range(n)]
 
     def touch(self, flat: int) -> None:
         self.orders[flat // self.h.num_experts].move_to_end(flat)
@@ -129,6 +122,20 @@ class LayerLRU(Ranker):
 
     def remove(self, flat: int) -> None:
         del self.orders[flat // self.h.num_experts][flat]
+
+
+class LayerLRU(PerLayerRecency):
+    """Evict the least recently routed expert of the same layer, within its fixed share."""
+
+    name = "layer_lru"
+
+    def __init__(self, history: RoutingHistory, capacity: int) -> None:
+        super().__init__(history, capacity)
+        self.quota = self._quotas(capacity)
+
+    def _quotas(self, capacity: int) -> list[int]:
+        n = self.h.num_layers
+        return [capacity // n + (1 if i < capacity % n else 0) for i in range(n)]
 
     def must_evict(self, layer: int) -> bool:
         return len(self.orders[layer]) >= self.quota[layer]
@@ -201,7 +208,7 @@ class LFU(Ranker):
         return (count, last)
 
 
-class LayerAwareLRU(Ranker):
+class LayerAwareLRU(PerLayerRecency):
     """Per-layer recency, compared across layers by the distance to each expert's next use.
 
     Each layer keeps its resident experts in recency order (the last visit of that layer that
@@ -213,19 +220,6 @@ class LayerAwareLRU(Ranker):
     """
 
     name = "layer_aware_lru"
-
-    def __init__(self, history: RoutingHistory, capacity: int) -> None:
-        super().__init__(history, capacity)
-        self.orders = [OrderedDict[int, None]() for _ in range(history.num_layers)]
-
-    def touch(self, flat: int) -> None:
-        self.orders[flat // self.h.num_experts].move_to_end(flat)
-
-    def admit(self, flat: int) -> None:
-        self.orders[flat // self.h.num_experts][flat] = None
-
-    def remove(self, flat: int) -> None:
-        del self.orders[flat // self.h.num_experts][flat]
 
     def _horizon(self, flat: int, layer: int) -> int:
         h = self.h

@@ -14,7 +14,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import CallArguments, CallEnd, CallStart, Event, Text, ToolCallMarkers, Trim, partial_tail
+from .common import (
+    NAME_MAX,
+    CallArguments,
+    CallEnd,
+    CallStart,
+    Event,
+    Text,
+    ToolCallMarkers,
+    Trim,
+    earliest,
+    partial_tail,
+)
 from .values import JsonEnd, coerce, schemas, trim_value
 
 
@@ -118,6 +129,69 @@ class Cursor:
         self.out.text(self.raw)
         self.bare_possible = False
         self.leave_section()
+
+    # reading pieces of a section (shared by the grammars)
+    def name_end(self, end: str, final: bool) -> int | None:
+        """Where ``end`` closes the name at the head of ``buf``: its index; -1 when it will not
+        come (the stream ended, or more than ``NAME_MAX`` characters passed without it); None
+        while it still may."""
+        at = self.buf.find(end)
+        if at == -1 and not final and len(self.buf) <= NAME_MAX:
+            return None
+        return at
+
+    def key_step(self, end: str, next_mode: str, final: bool, *, checked: bool) -> bool:
+        """A parameter's name up to ``end``: kept as ``key``, read on in ``next_mode``. A run that
+        cannot be one (no ``end`` in reach; with ``checked``, a blank or over-long name) is
+        skipped as debris, back in "params"."""
+        at = self.name_end(end, final)
+        if at is None:
+            return False
+        name = self.buf[:at].strip() if at != -1 else ""
+        if at == -1 or (checked and not 0 < len(name) <= NAME_MAX):
+            self.mode = "params"
+            return True
+        self.key = self.buf[:at]
+        self.consume(at + len(end))
+        self.mode = next_mode
+        return True
+
+    def take_marker(self, markers: list[str], final: bool) -> str | None:
+        """Consume through the first of ``markers`` in ``buf`` and return it; None when none is
+        there. At the end of the stream, an open call ends with the arguments seen so far."""
+        hit = earliest(self.buf, markers)
+        if hit is None:
+            if final:
+                self.buf = ""
+                self.end_call()
+                self.leave_section()
+            return None
+        at, marker = hit
+        self.consume(at + len(marker))
+        return marker
+
+    def value_step(self, stops: list[str], final: bool) -> bool:
+        """A parameter's value: up to its closer (``markers.param_close``, consumed) or where a
+        forgotten closer should have been (another of ``stops``, left for the next step)."""
+        close = self.markers.param_close
+        assert close is not None
+        hit = earliest(self.buf, [close, *stops])
+        if hit is None and not final:
+            return False
+        at = len(self.buf) if hit is None else hit[0]
+        self.add_parameter(self.key, self.buf[:at])
+        self.consume(at + (len(close) if hit is not None and hit[1] == close else 0))
+        self.mode = "params"
+        return True
+
+    def json_end(self, final: bool) -> int | None:
+        """Where the JSON value at the head of ``buf`` ends; None while it has not. A value the
+        stream ends inside was not a call: the section is released as text."""
+        end = self.json.scan(self.buf)
+        if end is None and final:
+            self.consume(len(self.buf))
+            self.as_text()
+        return end
 
     def text_step(self, final: bool) -> bool:
         """Text between calls, up to the next opener (or a bare ``{`` opening the answer)."""

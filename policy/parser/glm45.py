@@ -34,15 +34,9 @@ def step(c: Cursor, final: bool) -> bool:
         c.mode = "params"
         return True
     if c.mode == "params":
-        hit = earliest(buf, [m.param_open, m.closer])
-        if hit is None:
-            if final:
-                c.buf = ""
-                c.end_call()
-                c.leave_section()
+        marker = c.take_marker([m.param_open, m.closer], final)
+        if marker is None:
             return final
-        at, marker = hit
-        c.consume(at + len(marker))
         if marker == m.param_open:
             c.mode = "param_name"
         else:
@@ -50,16 +44,7 @@ def step(c: Cursor, final: bool) -> bool:
             c.leave_section()
         return True
     if c.mode == "param_name":
-        at = buf.find(m.param_name_end)
-        if at == -1 and not final and len(buf) <= NAME_MAX:
-            return False
-        if at == -1:
-            c.mode = "params"
-            return True
-        c.key = buf[:at]
-        c.consume(at + len(m.param_name_end))
-        c.mode = "value_open"
-        return True
+        return c.key_step(m.param_name_end, "value_open", final, checked=False)
     if c.mode == "value_open":
         lead = buf.lstrip()
         if lead.startswith(m.value_open):
@@ -71,11 +56,4 @@ def step(c: Cursor, final: bool) -> bool:
         c.add_parameter(c.key, "")
         c.mode = "params"
         return True
-    hit = earliest(buf, [m.param_close, m.param_open, m.closer])
-    if hit is None and not final:
-        return False
-    at = len(buf) if hit is None else hit[0]
-    c.add_parameter(c.key, buf[:at])
-    c.consume(at + (len(m.param_close) if hit is not None and hit[1] == m.param_close else 0))
-    c.mode = "params"
-    return True
+    return c.value_step([m.param_open, m.closer], final)

@@ -25,11 +25,8 @@ def step(c: Cursor, final: bool) -> bool:
             c.as_text()
         return True
     if c.mode == "object":
-        end = c.json.scan(c.buf)
+        end = c.json_end(final)
         if end is None:
-            if final:
-                c.consume(len(c.buf))
-                c.as_text()
             return final
         call = json_call(loads(c.buf[:end]))
         c.consume(end)

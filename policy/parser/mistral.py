@@ -51,11 +51,8 @@ def step(c: Cursor, final: bool) -> bool:
         c.enter("args")
         return True
     # "array" (a JSON list of calls) or "args" (one arguments object)
-    end = c.json.scan(c.buf)
+    end = c.json_end(final)
     if end is None:
-        if final:
-            c.consume(len(c.buf))
-            c.as_text()
         return final
     value = loads(c.buf[:end])
     c.consume(end)

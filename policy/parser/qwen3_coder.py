@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .common import NAME_MAX, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Identities, ToolCallMarkers, earliest
+from .common import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Identities, ToolCallMarkers, earliest
 from .cursor import Cursor
 from .values import valid_name
 
@@ -35,18 +35,17 @@ def step(c: Cursor, final: bool) -> bool:
             return True
         at, marker = hit
         c.consume(at + len(marker))
-        if marker == m.closer:
-            if c.section_calls == 0:
-                c.as_text()
-            else:
-                c.out.markup()
-                c.leave_section()
-        else:
+        if marker == m.function_open:
             c.mode = "name"
+        elif c.section_calls == 0:  # a closer before any function: not a call
+            c.as_text()
+        else:
+            c.out.markup()
+            c.leave_section()
         return True
     if c.mode == "name":
-        at = buf.find(m.name_end)
-        if at == -1 and not final and len(buf) <= NAME_MAX:
+        at = c.name_end(m.name_end, final)
+        if at is None:
             return False
         name = buf[:at].strip() if at != -1 else ""
         if not valid_name(name):
@@ -61,15 +60,9 @@ def step(c: Cursor, final: bool) -> bool:
         c.mode = "params"
         return True
     if c.mode == "params":
-        hit = earliest(buf, [m.param_open, m.function_close, m.closer])
-        if hit is None:
-            if final:
-                c.buf = ""
-                c.end_call()
-                c.leave_section()
+        marker = c.take_marker([m.param_open, m.function_close, m.closer], final)
+        if marker is None:
             return final
-        at, marker = hit
-        c.consume(at + len(marker))
         if marker == m.param_open:
             c.mode = "param_name"
             return True
@@ -80,22 +73,6 @@ def step(c: Cursor, final: bool) -> bool:
             c.mode = "open"
         return True
     if c.mode == "param_name":
-        at = buf.find(m.param_name_end)
-        if at == -1 and not final and len(buf) <= NAME_MAX:
-            return False
-        if at == -1 or not buf[:at].strip() or len(buf[:at].strip()) > NAME_MAX:
-            c.mode = "params"  # not a parameter: skip past the marker as debris
-            return True
-        c.key = buf[:at]
-        c.consume(at + len(m.param_name_end))
-        c.mode = "value"
-        return True
+        return c.key_step(m.param_name_end, "value", final, checked=True)
     # value: ends at </parameter>, or where a forgotten one should have been
-    hit = earliest(buf, [m.param_close, m.param_open, m.function_close, m.closer])
-    if hit is None and not final:
-        return False
-    at = len(buf) if hit is None else hit[0]
-    c.add_parameter(c.key, buf[:at])
-    c.consume(at + (len(m.param_close) if hit is not None and hit[1] == m.param_close else 0))
-    c.mode = "params"
-    return True
+    return c.value_step([m.param_open, m.function_close, m.closer], final)

@@ -45,10 +45,7 @@ class ToolCallFormat(StrEnum):
 
     @classmethod
     def parse(cls, name: str) -> ToolCallFormat:
-        """The format for a wire name or alias (case, '-' and '.' ignored).
-
-        Pure. Refuses with ``ParserRefused("unknown_format")`` for anything else.
-        """
+        """As ``ReasoningFormat.parse``, for a tool-call format."""
         return _parse_format(cls, _TOOL_ALIASES, name, "tool-call format")
 
     @property
