@@ -108,9 +108,11 @@ def _zombie(pid: int) -> bool:
 
 
 class Processes:
-    """The processes one test started; :meth:`close` ends each one's whole group."""
+    """The processes one test started; :meth:`close` ends each one's whole group (SIGTERM, then
+    SIGKILL after ``grace_s``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = 10.0) -> None:
+        self.grace_s = grace_s
         self.groups: list[int] = []
 
     def spawn(self, argv: list[str], **popen: object) -> subprocess.Popen:
@@ -125,6 +127,6 @@ class Processes:
 
     def close(self) -> None:
         for pid in reversed(self.groups):
-            end_group(pid)
+            end_group(pid, grace_s=self.grace_s)
         self.groups.clear()
 
