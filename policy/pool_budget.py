@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = [
     "DEFAULT_KV_RESERVE_TOKENS",
@@ -559,7 +559,7 @@ class PoolBudget:
         }
 
     @classmethod
-    def from_wire(cls, pools: dict) -> PoolBudget:
+    def from_wire(cls, pools: dict[str, Any]) -> PoolBudget:
         """Rebuilds the budget from a snapshot's ``pools`` object (what the dashboard receives).
 
         The expert cap is read back from the published limits: ``moe_max`` already is the

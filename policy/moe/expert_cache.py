@@ -91,7 +91,7 @@ class CacheStats(NamedTuple):
         total = self.hits + self.misses
         return self.hits / total if total else None
 
-    def __add__(self, other: object) -> CacheStats:  # type: ignore[override]
+    def __add__(self, other: object) -> CacheStats:
         if not isinstance(other, CacheStats):
             return NotImplemented
         return CacheStats(*(a + b for a, b in zip(self, other, strict=True)))

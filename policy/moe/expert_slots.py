@@ -266,9 +266,9 @@ class ExpertSlots:
         if done:
             self._flush(done)
         nbytes = len(done) * self.rows.row_bytes
-        s = self._stats
-        self._stats = SlotStats(s.plans + 1, s.warm_plans + (0 if done else 1), s.rows + len(done),
-                                s.bytes + nbytes)
+        stats = self._stats
+        self._stats = SlotStats(stats.plans + 1, stats.warm_plans + (0 if done else 1),
+                                stats.rows + len(done), stats.bytes + nbytes)
         return ApplyReport(len(done), nbytes)
 
     def apply_resize(self, plan: Any) -> ApplyReport:

@@ -162,7 +162,9 @@ class HorizonOrder:
             found = self._head(layer, protected)
             own = None if found is None else found[1]
         if own is not None:  # the base again: this layer's clock moved since its refresh
-            best_score, best_flat = self._base(layer, self.key[own]) + n_layers, own
+            own_key = self.key[own]
+            assert own_key is not None, "a layer's head is resident"
+            best_score, best_flat = self._base(layer, own_key) + n_layers, own
         base_heap, base, head, aside = self.base_heap, self.base, self.head, []
         while base_heap:
             neg, m = base_heap[0]
@@ -184,7 +186,8 @@ class HorizonOrder:
     def priority(self, flat: int) -> float:
         """The expert's current CRF (decayed to now): which misses to fetch first."""
         layer = flat // self.num_experts
-        return self.crf[flat] * 2.0 ** (-self.lam * (self.passes[layer] - self.last[flat]))
+        decay: float = 2.0 ** (-self.lam * (self.passes[layer] - self.last[flat]))
+        return self.crf[flat] * decay
 
 
 class Shadow:

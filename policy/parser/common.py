@@ -120,7 +120,10 @@ class CallEnd:
 Event = Text | CallStart | CallArguments | CallEnd
 
 
-class ToolCall(NamedTuple):
+@dataclass(frozen=True)
+class ToolCall:
+    """One finished call, as ``fold_events`` gathers it."""
+
     index: int
     name: str
     arguments: str  # a JSON object, "{}" when the call has none

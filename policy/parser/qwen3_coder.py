@@ -44,30 +44,30 @@ def step(c: Cursor, final: bool) -> bool:
             c.leave_section()
         return True
     if c.mode == "name":
-        at = c.name_end(m.name_end, final)
-        if at is None:
+        end = c.name_end(m.name_end, final)
+        if end is None:
             return False
-        name = buf[:at].strip() if at != -1 else ""
+        name = buf[:end].strip() if end != -1 else ""
         if not valid_name(name):
-            c.consume(len(buf) if at == -1 else at + len(m.name_end))
+            c.consume(len(buf) if end == -1 else end + len(m.name_end))
             if c.section_calls == 0:
                 c.as_text()
             else:  # debris after the section's calls
                 c.leave_section()
             return True
-        c.consume(at + len(m.name_end))
+        c.consume(end + len(m.name_end))
         c.start_call(name)
         c.mode = "params"
         return True
     if c.mode == "params":
-        marker = c.take_marker([m.param_open, m.function_close, m.closer], final)
-        if marker is None:
+        taken = c.take_marker([m.param_open, m.function_close, m.closer], final)
+        if taken is None:
             return final
-        if marker == m.param_open:
+        if taken == m.param_open:
             c.mode = "param_name"
             return True
         c.end_call()
-        if marker == m.closer:
+        if taken == m.closer:
             c.leave_section()
         else:
             c.mode = "open"
