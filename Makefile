@@ -34,9 +34,15 @@ system-deps:
 run: setup
 	$(VENV)/bin/moetray $(ARGS)
 
+# mypy reads the rooms as the moetray package through links (it cannot follow the editable
+# install's finder; see [tool.mypy] in pyproject.toml).
+MYPY_ROOMS := policy engine app ui resources
+
 lint: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
+	@mkdir -p .mypy-src/moetray && for room in $(MYPY_ROOMS); do ln -sfn ../../$$room .mypy-src/moetray/$$room; done
+	$(VENV)/bin/python -m mypy
 
 test: setup system-deps lint
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

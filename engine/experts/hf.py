@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
 from transformers.integrations.gguf.dequant import _DEQUANT, GGML_BLOCK
@@ -43,7 +44,7 @@ def padded_grouped_output(device: torch.device) -> bool:
                                     torch.ones(1, dtype=torch.int32, device=device)))
 
 
-def key_renamer(model: torch.nn.Module) -> Callable[[str], str]:
+def key_renamer(model: PreTrainedModel) -> Callable[[str], str]:
     """checkpoint key → model key, by transformers' renaming rules for this model."""
     meta_sd = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)

@@ -70,7 +70,7 @@ def gguf_files(path: str | Path) -> list[Path]:
     p = Path(path).expanduser()
     if p.is_dir():
         found = sorted(q for q in p.glob("*.gguf") if not q.name.startswith("mmproj"))
-        firsts = [q for q in found if not SPLIT_RE.match(q.name) or SPLIT_RE.match(q.name)["no"] == "00001"]
+        firsts = [q for q in found if (split := SPLIT_RE.match(q.name)) is None or split["no"] == "00001"]
         if len(firsts) != 1:
             raise CheckpointError("not_a_checkpoint", f"{p} holds {len(firsts)} GGUF models; name the file")
         p = firsts[0]
@@ -262,7 +262,7 @@ def gguf_config(arch: str, metadata: dict, tensors: dict[str, GgufTensor]):
         )
     q_norm = tensors.get(f"blk.{first}.attn_q_norm.weight")
     head_dim = q_norm.shape[0] if q_norm is not None else key("attention.key_length", hidden // heads)
-    return Qwen3MoeConfig(
+    return Qwen3MoeConfig(  # type: ignore[call-arg]  # accepted: transformers' typed __init__ omits the head_dim it takes
         **common,
         head_dim=head_dim,
         intermediate_size=dense_inter,
@@ -300,7 +300,7 @@ def read_gguf(path: str | Path) -> GgufCheckpoint:
 class _Files:
     """Memory maps of the files, opened once; ``bytes(t, start, n)`` is a ``uint8`` view (no copy)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._maps: dict[Path, np.ndarray] = {}
 
     def view(self, path: Path, start: int, nbytes: int) -> torch.Tensor:
