@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-
 from typing import TYPE_CHECKING
 
 from moetray.policy.refused import Refused
