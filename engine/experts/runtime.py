@@ -59,6 +59,7 @@ from moetray.engine.experts.slots import LinkThrottle, SlotPool, TorchSlotDevice
 from moetray.engine.experts.store import ExpertStore, unpack_row
 from moetray.policy.moe.expert_cache import DEFAULT_POLICY, ExpertCache
 from moetray.policy.moe.expert_slots import ExpertSlots, SlotDeviceError
+from moetray.policy.refused import Refused
 
 __all__ = [
     "COMPUTE_MODES",
@@ -86,10 +87,13 @@ _RUNTIME_ATTR = "_moetray_runtime"
 _LAYER_ATTR = "_moetray_layer"
 
 
-class UnknownComputeMode(ValueError):
+class UnknownComputeMode(Refused, ValueError):
     """A ``compute`` mode that is not one of :data:`COMPUTE_MODES` (``kind``: ``unknown_compute_mode``)."""
 
-    kind = "unknown_compute_mode"
+    KINDS = ("unknown_compute_mode",)
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unknown_compute_mode", message)
 
 
 def check_compute(compute: str | None) -> str:
@@ -101,14 +105,15 @@ def check_compute(compute: str | None) -> str:
     return mode
 
 
-class ResizeFault(RuntimeError):
+class ResizeFault(Refused, RuntimeError):
     """A resize that failed; ``kind`` is ``allocation_failed`` (before teardown, nothing
     changed) or ``injected_after_teardown`` (a test fault; the runtime kept its old pool)."""
 
-    def __init__(self, kind: str, message: str, *, torn_down: bool):
-        super().__init__(message)
-        self.kind = kind
-        self.torn_down = torn_down
+    KINDS = ("allocation_failed", "injected_after_teardown")
+    torn_down: bool  # whether the old pool was already released (set by ``Refused``)
+
+    def __init__(self, kind: str, message: str, *, torn_down: bool) -> None:
+        super().__init__(kind, message, torn_down=torn_down)
 
 
 class ExpertRuntime:

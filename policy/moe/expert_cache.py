@@ -69,10 +69,13 @@ class CacheRefused(Refused, ValueError):
     """
 
 
-class CacheIntegrityError(RuntimeError):
+class CacheIntegrityError(Refused, RuntimeError):
     """`ExpertCache.check_integrity` found the maps or counters inconsistent (a bug)."""
 
-    kind = "integrity"
+    KINDS = ("integrity",)
+
+    def __init__(self, message: str) -> None:
+        super().__init__("integrity", message)
 
 
 class CacheStats(NamedTuple):

@@ -8,8 +8,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from moetray.policy.refused import Refused
 
-class ParserRefused(ValueError):
+
+class ParserRefused(Refused, ValueError):
     """A parser request that cannot be honoured; nothing changed.
 
     ``.kind`` is ``unknown_format`` (``.name`` is not a wire name or alias of the enum) or
@@ -17,12 +19,10 @@ class ParserRefused(ValueError):
     """
 
     KINDS = ("unknown_format", "stream_finished")
+    name: str | None  # the format name asked for (``unknown_format``), set by ``Refused``
 
     def __init__(self, kind: str, message: str, name: str | None = None) -> None:
-        assert kind in self.KINDS, kind
-        self.kind = kind
-        self.name = name
-        super().__init__(message)
+        super().__init__(kind, message, name=name)
 
 
 TOOL_HOLD_MAX = 512
