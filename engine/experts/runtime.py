@@ -54,7 +54,12 @@ import torch
 import torch.nn.functional as F
 
 from moetray.engine.experts.grouped import Operands, grouped_output, operands, project
-from moetray.engine.experts.hf import DEFAULT_APPLY_GATE, padded_grouped_output, register_experts_function
+from moetray.engine.experts.hf import (
+    DEFAULT_APPLY_GATE,
+    ExpertsModule,
+    padded_grouped_output,
+    register_experts_function,
+)
 from moetray.engine.experts.slots import LinkThrottle, SlotPool, TorchSlotDevice
 from moetray.engine.experts.store import ExpertStore, unpack_row
 from moetray.policy.moe.expert_cache import DEFAULT_POLICY, ExpertCache
@@ -189,7 +194,7 @@ class ExpertRuntime:
 
     # --- the forward ---------------------------------------------------------------------
 
-    def forward(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,
+    def forward(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Compute one MoE layer call with the arithmetic of the stock implementation named by
         :attr:`compute`; see the module docstring for the steps."""
@@ -197,7 +202,7 @@ class ExpertRuntime:
             return self._forward_grouped(module, layer, hidden_states, top_k_index, top_k_weights)
         return self._forward_eager(module, layer, hidden_states, top_k_index, top_k_weights)
 
-    def _forward_grouped(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,
+    def _forward_grouped(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The stock ``grouped_mm`` implementation's arithmetic over the slot pool.
 
@@ -258,9 +263,10 @@ class ExpertRuntime:
             proj = module._apply_gate(proj) if self.geometry.has_gate else module.act_fn(proj)
             out = grouped_output(pairs, hidden_dim, states, self._padded_out)
             project(out, proj, [(lo, hi, w, b) for (_, lo, hi), (_, _, w, b) in on_device])
-            for i in host_groups:
-                _, lo, hi = groups[i]
-                out[lo:hi].copy_(self._host_expert(module, group_ops[i], host_states[lo:hi]))
+            if host_states is not None:  # the CPU share, when there is one
+                for i in host_groups:
+                    _, lo, hi = groups[i]
+                    out[lo:hi].copy_(self._host_expert(module, group_ops[i], host_states[lo:hi]))
             if valid < pairs:
                 out[valid:].zero_()
         if getattr(module, "has_post_expert_norm", False):
@@ -270,7 +276,7 @@ class ExpertRuntime:
         restored.index_copy_(0, perm, weighted)
         return restored.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
-    def _host_expert(self, module: torch.nn.Module, ops: Operands, states: torch.Tensor) -> torch.Tensor:
+    def _host_expert(self, module: ExpertsModule, ops: Operands, states: torch.Tensor) -> torch.Tensor:
         """One expert of the CPU share on a CUDA device: computed by the CPU from the host store."""
         w, bias, w_down, bias_down = ops
         proj = states @ w
@@ -300,7 +306,7 @@ class ExpertRuntime:
         """Per slot, the grouped path's GEMM operands: views of the pool's rows (rebuilt with them)."""
         return [operands(views, self.geometry) for views in self._slot_views]
 
-    def _forward_eager(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,
+    def _forward_eager(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The stock ``eager`` loop's arithmetic: one expert at a time, ascending ids, ``index_add_``."""
         num_experts = self.num_experts
@@ -379,7 +385,7 @@ class ExpertRuntime:
             self.trace.append((layer, tuple(routed)))
         return self.cache.ensure(layer, routed, fetch_limit=fetch_limit)
 
-    def _expert(self, module: torch.nn.Module, w: dict[str, torch.Tensor], current_state: torch.Tensor,
+    def _expert(self, module: ExpertsModule, w: dict[str, torch.Tensor], current_state: torch.Tensor,
                 routing_weight: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens, in the stock eager implementation's op order."""
         if self._plain_swiglu and type(module)._apply_gate is DEFAULT_APPLY_GATE:
@@ -555,6 +561,7 @@ def _select(expert: int, single: dict[int, int] | None, states: torch.Tensor, we
     if single is not None:
         pos = single[expert]
         return None, states, weights[:, pos:pos + 1]
+    assert mask is not None, "the masks exist whenever the single-token slices do not"
     top_k_pos, token_idx = torch.where(mask[expert])
     return token_idx, states[token_idx], weights[token_idx, top_k_pos, None]
 
@@ -570,7 +577,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 # --- the registered experts implementation ----------------------------------------------------
 
 
-def moetray_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def moetray_experts_forward(self: ExpertsModule, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers experts-interface entry point: ``[T, H], [T, k], [T, k] → [T, H]``."""
     runtime: ExpertRuntime | None = getattr(self, _RUNTIME_ATTR, None)
