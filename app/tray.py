@@ -120,8 +120,9 @@ def menu_texts(menu: QMenu) -> list[str | list[str]]:
         if action.isSeparator():
             continue
         out.append(action.text())
-        if action.menu() is not None:
-            out.append([a.text() for a in action.menu().actions() if not a.isSeparator()])
+        sub = action.menu()
+        if isinstance(sub, QMenu):
+            out.append([a.text() for a in sub.actions() if not a.isSeparator()])
     return out
 
 
