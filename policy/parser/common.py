@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from moetray.policy.detokenize import stop_prefix_holdback
 from moetray.policy.refused import Refused
 
 
@@ -148,14 +149,9 @@ def fold_events(events: Iterable[Event]) -> tuple[str, list[ToolCall]]:
 
 
 def partial_tail(text: str, markers: Iterable[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers``."""
-    longest = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), longest, -1):
-            if marker.startswith(text[len(text) - k:]):
-                longest = k
-                break
-    return longest
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers``
+    (what a stream holds back; the stop-string rule, ``detokenize.stop_prefix_holdback``)."""
+    return stop_prefix_holdback(text, markers)
 
 
 def earliest(text: str, markers: Iterable[str], start: int = 0) -> tuple[int, str] | None:
