@@ -137,5 +137,9 @@ def test_a_model_the_engine_refuses_shows_the_engines_own_reason(supervised, qtb
     assert supervised.start_serving(str(dense))
     wait_qt(qtbot, lambda: supervised.model.engine.state == EngineState.FAILED, START_MS,
             "the engine to refuse the model")
-    detail = supervised.model.engine.detail
-    assert detail.startswith("The engine failed: ") and "is not a mixture-of-experts checkpoint" in detail
+    # The state can arrive first (a status snapshot carries no failure reason); the reason
+    # follows with the next /health, so wait for it rather than read the first frame.
+    wait_qt(qtbot, lambda: "is not a mixture-of-experts checkpoint" in (supervised.model.engine.detail or ""),
+            START_MS, "the tray to show the engine's reason")
+    assert supervised.model.engine.state == EngineState.FAILED
+    assert supervised.model.engine.detail.startswith("The engine failed: ")
