@@ -1,12 +1,9 @@
 """Throughput, latency and memory figures for ``GET /admin/status`` and ``/admin/events``.
 
 Counters are exact totals; rates are over a sliding window of ``window_s`` seconds of the
-passed-in clock, and percentiles over the latest ``TTFT_SAMPLES`` first tokens. A window is
-never a count: its length shrinks as events age out (mid-request, too), so whoever needs to
-know how many events happened reads the ``*_total`` counters. An unknown figure is ``None``
-(JSON ``null``), never 0: no tok/s before the first token, no TTFT percentile before the
-first request, no footprint where ``/proc`` cannot be read, no GPU figure on a machine
-without one.
+passed-in clock. An unknown figure is ``None`` (JSON ``null``), never 0: no tok/s before
+the first token, no TTFT percentile before the first request, no footprint where
+``/proc`` cannot be read, no GPU figure on a machine without one.
 """
 
 from __future__ import annotations
@@ -47,13 +44,11 @@ class Telemetry:
         self._lock = threading.Lock()
         self._token_events: collections.deque[tuple[float, int]] = collections.deque()
         self._ttft_ms: collections.deque[float] = collections.deque(maxlen=TTFT_SAMPLES)
-        self.token_events_total = 0  # calls of tokens(): one per step that generated tokens
-        self.first_tokens_total = 0  # calls of first_token(): one per request that produced a token
         self.requests_served = 0
         self.prompt_tokens_total = 0
         self.completion_tokens_total = 0
         self.cached_prompt_tokens_total = 0
-        self._footprint = ProbeCache(0.5, clock)
+        self._footprint: ProbeCache[Footprint | None] = ProbeCache(0.5, clock)
 
     def tokens(self, n: int) -> None:
         """``n`` tokens were generated just now."""
@@ -62,13 +57,11 @@ class Telemetry:
         now = self._clock()
         with self._lock:
             self._token_events.append((now, n))
-            self.token_events_total += 1
             self._trim(now)
 
     def first_token(self, ttft_s: float) -> None:
         with self._lock:
             self._ttft_ms.append(ttft_s * 1000.0)
-            self.first_tokens_total += 1
 
     def finished(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         """A request left the engine (done, stopped or cancelled): its tokens count."""
@@ -126,22 +119,24 @@ def device_memory(device, budget, footprint: Footprint | None) -> dict[str, obje
             "others_bytes": int(others) if others >= 0 else None,
             "budget_bytes": budget.budget_bytes,
         }
+    host_total: int | None = None
+    host_used: int | None = None
     try:
         import psutil
 
         vm = psutil.virtual_memory()
-        total, used = int(vm.total), int(vm.total - vm.available)
+        host_total, host_used = int(vm.total), int(vm.total - vm.available)
     except Exception:  # pragma: no cover - psutil is a dependency
-        total = used = None
-    engine = footprint.bytes if footprint is not None else None
-    others = used - engine if used is not None and engine is not None and used >= engine else None
+        pass
+    mine = footprint.bytes if footprint is not None else None
+    rest = host_used - mine if host_used is not None and mine is not None and host_used >= mine else None
     return {
         "kind": "cpu",
         "name": budget.name,
         "label": budget.label,
-        "total_bytes": total,
-        "engine_bytes": engine,
-        "others_bytes": others,
+        "total_bytes": host_total,
+        "engine_bytes": mine,
+        "others_bytes": rest,
         "budget_bytes": budget.budget_bytes,
     }
 

@@ -193,27 +193,7 @@ def test_the_draw_processor_without_sampled_rows_takes_the_argmax_path():
     assert torch.isinf(out).sum().item() == 2 * 3
 
 
-# --- telemetry ---------------------------------------------------------------------------------
-
-
-def test_telemetry_windows_shrink_as_events_age_but_its_totals_only_grow():
-    """The tok/s window drops events by age while new ones arrive, and the TTFT samples are
-    capped: counting events by their length undercounts (the quiet-reply test once did, after
-    earlier tests' events aged out mid-request). The ``*_total`` counters are exact."""
-    from moetray.engine.telemetry import TTFT_SAMPLES, Telemetry
-
-    now = [0.0]
-    t = Telemetry(lambda: now[0], window_s=10.0)
-    for _ in range(5):
-        t.tokens(1)
-    now[0] = 10.5  # the five earlier events are past the window when the next ones land
-    for _ in range(3):
-        t.tokens(1)
-    assert len(t._token_events) == 3 and t.token_events_total == 8
-    for _ in range(TTFT_SAMPLES + 2):
-        t.first_token(0.01)
-    assert len(t._ttft_ms) == TTFT_SAMPLES and t.first_tokens_total == TTFT_SAMPLES + 2
-    assert t.tok_s() == 0.3
+# --- a stopped batch loop ------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
@@ -237,18 +217,13 @@ def test_freed_heap_held_between_live_blocks_is_handed_back():
     assert len(kept) == 3200
 
 
+
 # --- refusals ------------------------------------------------------------------------------------
-
-KIND_SETTERS_PENDING = {
-    "moetray.policy.parser.ParserRefused",  # policy/parser.py is being split into a package
-    "moetray.engine.experts.runtime.ResizeFault",  # engine/experts/runtime.py is being split
-}
-"""Exception classes that still set their own ``.kind``: their modules are mid-split elsewhere."""
-
 
 def test_every_refusal_takes_its_kind_from_refused():
     """One shape for every refusal (``policy.refused.Refused``): a class that sets ``.kind`` by hand
-    can skip the ``KINDS`` check and the ``fields`` the error bodies carry."""
+    can skip the ``KINDS`` check and the ``fields`` the error bodies carry. (The static twin,
+    tests/unit/test_refusal_kinds.py, also reads app/ and ui/ and class-level ``kind = …``.)"""
     import importlib
     import inspect
     import pkgutil
@@ -266,9 +241,7 @@ def test_every_refusal_takes_its_kind_from_refused():
                     continue
                 name = f"{module.__name__}.{cls.__name__}"
                 source = inspect.getsource(cls)
-                if ("self.kind =" in source or "self.kind:" in source or cls.__dict__.get("KINDS")) and (
-                    name not in KIND_SETTERS_PENDING
-                ):
+                if "self.kind =" in source or "self.kind:" in source or cls.__dict__.get("KINDS"):
                     own_kind.append((name, issubclass(cls, Refused), "self.kind" in source))
     assert own_kind  # the walk itself must find refusals
     assert [row for row in own_kind if not row[1] or row[2]] == []
