@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
+from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 from PySide6.QtCore import QSettings
 
@@ -68,7 +70,7 @@ class Settings:
             return []
         if isinstance(value, str):
             return [value]
-        return [str(v) for v in value if v]
+        return [str(v) for v in cast(Iterable[object], value) if v]
 
     def remember_model(self, folder: str) -> list[str]:
         """Put ``folder`` first in the recent list (deduplicated, at most :data:`RECENT_MAX`).
@@ -94,7 +96,7 @@ class Settings:
     @property
     def port(self) -> int:
         """The engine's port (:data:`DEFAULT_PORT`); 0 picks any free loopback port at each start."""
-        return self._s.value("engine/port", DEFAULT_PORT, type=int)
+        return cast(int, self._s.value("engine/port", DEFAULT_PORT, type=int))
 
     @port.setter
     def port(self, value: int) -> None:
@@ -120,7 +122,7 @@ class Settings:
     @property
     def kv_tokens(self) -> int | None:
         """The KV pool (context) size in tokens; ``None``: the engine plans it from its budget."""
-        value = self._s.value("engine/kv_tokens", 0, type=int)
+        value = cast(int, self._s.value("engine/kv_tokens", 0, type=int))
         return value or None
 
     @kv_tokens.setter
@@ -130,7 +132,7 @@ class Settings:
     @property
     def threads(self) -> int | None:
         """The engine's CPU threads; ``None``: torch's default."""
-        value = self._s.value("engine/threads", 0, type=int)
+        value = cast(int, self._s.value("engine/threads", 0, type=int))
         return value or None
 
     @threads.setter
@@ -140,7 +142,7 @@ class Settings:
     @property
     def serve_on_start(self) -> bool:
         """Start serving the last model as soon as the tray starts (on by default)."""
-        return self._s.value("engine/serve_on_start", True, type=bool)
+        return cast(bool, self._s.value("engine/serve_on_start", True, type=bool))
 
     @serve_on_start.setter
     def serve_on_start(self, value: bool) -> None:
@@ -154,7 +156,7 @@ class Settings:
             return []
         if isinstance(value, str):
             return shlex.split(value)
-        return [str(v) for v in value]
+        return [str(v) for v in cast(Iterable[object], value)]
 
     @engine_args.setter
     def engine_args(self, args: list[str]) -> None:

@@ -44,6 +44,7 @@ from PySide6.QtCore import QObject, Signal
 from moetray.app.client import EngineClient, EngineError
 from moetray.app.orphans import EngineRecords
 from moetray.policy import wire
+from moetray.policy.refused import Refused
 from moetray.policy.restart import RestartBudget
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -55,12 +56,14 @@ PORT_SEARCH = 50
 """How many ports after a taken one are tried before any free port is taken."""
 
 
-class LaunchRefused(Exception):
+class LaunchRefused(Refused):
     """The engine cannot be started as asked; raised before any process exists."""
 
+    KINDS = LAUNCH_KINDS
+    message: str
+
     def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
+        super().__init__(kind, message)
         self.message = message
 
 

@@ -19,9 +19,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 from moetray.policy.maintenance import GateState, MaintenanceGate, SealedAccounting
+from moetray.policy.wire import RebuildProgress
 
 
 @dataclass
@@ -37,12 +38,12 @@ class ResplitWait:
     started: float
     timeout_s: float
     deadline: float
-    stage: str = "waiting"  # then "applying"
+    stage: Literal["waiting", "applying"] = "waiting"
     held: int = 0
     cancelled: bool = False
     stop_running: bool = False
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> RebuildProgress:
         """``wire.RebuildProgress`` for the status snapshot."""
         return {
             "stage": self.stage,

@@ -50,7 +50,7 @@ from moetray.engine.gate import Gate, ResplitWait
 from moetray.engine.pools import Pools
 from moetray.engine.requests import Requests
 from moetray.policy.pool_budget import PoolSizes, RebuildRejected, RebuildRequest, reserve_pages
-from moetray.policy.rebuild import Applied, RebuildTxn
+from moetray.policy.rebuild import Applied, Latched, RebuildTxn
 from moetray.policy.refused import Refused
 from moetray.policy.wire import error_body, refusal_for
 
@@ -139,6 +139,10 @@ class Timing:
         self._applied = time.perf_counter()
 
     @property
+    def elapsed_ms(self) -> float:
+        return round((time.perf_counter() - self.t0) * 1000.0, 3)
+
+    @property
     def waited_ms(self) -> float:
         end = self._waited if self._waited is not None else time.perf_counter()
         return round((end - self.t0) * 1000.0, 3)
@@ -182,6 +186,9 @@ async def run_rebuild(
     if body.get("moe_slots") is None and body.get("kv_tokens") is None:
         return 400, error_body("invalid_request_error", "name at least one of moe_slots, kv_tokens")
     gate.begin_rebuild()  # RebuildRefused → mapped by the server, nothing changed
+    if pools is None:  # the gate refuses (not_ready) before the pools exist: a bug if reached
+        gate.rebuild_never_dispatched()
+        raise AssertionError("the gate admitted a rebuild before the pools existed")
     wait = ResplitWait(
         lambda: _running(requests), t0, idle_timeout_s, deadline=t0 + idle_timeout_s + txn_timeout_s
     )
@@ -189,7 +196,6 @@ async def run_rebuild(
     dispatched = False
     timing = Timing(t0)
     try:
-        assert pools is not None, "the gate admitted a rebuild before the pools existed"
         page = pools.budget.page_size
         request = _request_from(body, page)
         current = pools.sizes()
@@ -229,8 +235,8 @@ async def run_rebuild(
         result = _settle(gate, pools, txn, outcome, timing)
         if isinstance(outcome, Applied):
             return 200, result
-        message = getattr(outcome, "reason", outcome.outcome)
-        if outcome.outcome == "latched":
+        message = outcome.reason
+        if isinstance(outcome, Latched):
             message = f"{outcome.reason}; rollback failed: {outcome.rollback_error}. Restart the engine."
         return refusal_for(outcome.refusal_kind).status, error_body(outcome.refusal_kind, message, **result)
     except RebuildRejected as exc:
@@ -265,7 +271,7 @@ def _settle(gate: Gate, pools: Pools, txn: RebuildTxn, outcome, timing: Timing) 
     """Step 5 and the record of what happened: the gate reopens (or latches) on the outcome."""
     gate.finish_rebuild(outcome.engine_preserved)
     times = timing.fields()
-    result = txn.result(outcome, page_size=pools.budget.page_size, elapsed_ms=times["elapsed_ms"])
+    result = txn.result(outcome, page_size=pools.budget.page_size, elapsed_ms=timing.elapsed_ms)
     result.update(waited_ms=times["waited_ms"], applied_ms=times["applied_ms"])
     pools.last_rebuild = result
     log.info(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from moetray.policy.refused import Refused
 
@@ -116,6 +116,13 @@ class RebuildRejected(Refused):
     """
 
     KINDS = ("busy", "below_floor", "no_such_pool", "too_large")
+    # Set by ``Refused`` from the keyword arguments below.
+    pool: str | None
+    requested: int | None
+    floor: int | None
+    needed_bytes: int | None
+    budget_bytes: int | None
+    sizes: PoolSizes | None
 
     def __init__(
         self,
@@ -534,10 +541,10 @@ class PoolBudget:
         if pinned is None or pinned.is_empty():
             return planned
         moe, kv = pinned
-        if kv is None:
+        if kv is None and moe is not None:  # not empty: one of the two is pinned
             room = (self.net_bytes - moe * self.bytes_per_slot) // self.bytes_per_page
             kv = max(room, self.floors.kv_pages)
-        elif moe is None and self.floors.moe_slots is not None:
+        elif moe is None and kv is not None and self.floors.moe_slots is not None:
             room = (self.net_bytes - kv * self.bytes_per_page) // self.bytes_per_slot
             moe = max(min(room, self.max_moe_slots), self.floors.moe_slots)
         if moe is not None:
@@ -601,7 +608,7 @@ class PoolBudget:
         }
 
     @classmethod
-    def from_wire(cls, pools: dict) -> PoolBudget:
+    def from_wire(cls, pools: dict[str, Any]) -> PoolBudget:
         """Rebuilds the budget from a snapshot's ``pools`` object (what the dashboard receives).
 
         The expert cap is read back from the published limits: ``moe_max`` already is the

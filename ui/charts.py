@@ -156,10 +156,6 @@ class RollingChart(_Themed, pg.PlotWidget):
         self._empty.setVisible(empty)
         self.getPlotItem().getAxis("left").setStyle(showValues=not empty)
 
-    @property
-    def curve_count(self) -> int:
-        return len(self._curves) + len(self._faint)
-
     def set_faint_count(self, count: int) -> None:
         """Keep ``count`` thin unnamed curves after the named ones (e.g. one per layer)."""
         item = self.getPlotItem()

@@ -26,6 +26,7 @@ from PySide6.QtCore import QObject, Signal
 
 from moetray.policy import wire
 from moetray.policy.pool_budget import BudgetTooSmall, PoolBudget, PoolLimits, PoolSizes, Projection
+from moetray.policy.refused import Refused
 from moetray.ui.format import fmt_bytes, fmt_int
 from moetray.ui.outcome import ApplyOutcome, rebuild_outcome
 
@@ -61,13 +62,14 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-class ApplyRefused(Exception):
+class ApplyRefused(Refused):
     """Apply is not possible now; ``kind`` is ``disabled`` (see ``reason``) or ``unchanged``."""
 
+    KINDS = ("disabled", "unchanged")
+    reason: str
+
     def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind
-        self.reason = reason
+        super().__init__(kind, reason, reason=reason)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ style sheet to rewrite.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QPalette
@@ -73,7 +74,10 @@ def light_palette(app: QApplication) -> QPalette:
     return p
 
 
-def mute(widget: QWidget, *, small: bool = False) -> QWidget:
+W = TypeVar("W", bound=QWidget)
+
+
+def mute(widget: W, *, small: bool = False) -> W:
     """Draw ``widget``'s text in the theme's muted colour (and smaller); returns it."""
     widget.setForegroundRole(QPalette.ColorRole.PlaceholderText)
     if small:
@@ -143,6 +147,7 @@ def themes() -> ThemeManager:
     """The application's theme manager (made on first use, with the running ``QApplication``)."""
     global _manager
     app = QApplication.instance()
+    assert isinstance(app, QApplication), "themes() needs the running QApplication"
     if _manager is None or _manager.app is not app:
         _manager = ThemeManager(app)
     return _manager

@@ -11,6 +11,7 @@ stops it (KV-pool resize); the sampling stages (``sampling``) and the radix ledg
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from transformers.generation.continuous_batching.cache_allocators.cache_allocato
 from transformers.generation.continuous_batching.continuous_api import OutputRouter
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
-from moetray.engine.cb.kv import lazily_zeroed_cpu_cache
+from moetray.engine.cb.kv import lazily_zeroed_cpu_cache, return_freed_heap
 from moetray.engine.cb.prefix import (
     PREFIX_POLICIES,
     RADIX_SCHEDULER,
@@ -77,6 +78,13 @@ class RunnerConfig:
 
 
 Handler = Callable[[GenerationOutput], None]
+
+
+def _router(manager: ContinuousBatchingManager) -> _TappingRouter:
+    """The manager's output router: the runner installs a ``_TappingRouter`` before the loop starts."""
+    router = manager.output_router
+    assert isinstance(router, _TappingRouter), type(router).__name__
+    return router
 
 
 class _TappingRouter(OutputRouter):
@@ -199,6 +207,9 @@ class BatchRunner:
             manager.stop(block=True, timeout=timeout)
         manager.batch_processor = None
         manager.destroy()
+        del manager
+        gc.collect()  # the manager is a reference cycle: its buffers are freed here, not at some later GC
+        return_freed_heap()
 
     @property
     def running(self) -> bool:
@@ -250,7 +261,7 @@ class BatchRunner:
         self._handlers[request_id] = on_output
         manager.register_result_handler(request_id, deliver)
         if on_progress is not None:
-            router = manager.output_router
+            router = _router(manager)
             with router._lock:  # noqa: SLF001 - the lock every router table change takes
                 router.taps[request_id] = on_progress
         added = manager.add_request(
@@ -281,22 +292,24 @@ class BatchRunner:
         self._handlers.pop(request_id, None)
         manager = self.manager
         if manager is not None:
-            with manager.output_router._lock:  # noqa: SLF001 - the router has no public unregister
-                manager.output_router.result_handlers.pop(request_id, None)
-                manager.output_router.taps.pop(request_id, None)
+            router = _router(manager)
+            with router._lock:  # noqa: SLF001 - the router has no public unregister
+                router.result_handlers.pop(request_id, None)
+                router.taps.pop(request_id, None)
 
     def _drop_tap(self, request_id: str) -> None:
         manager = self.manager
         if manager is not None:
-            with manager.output_router._lock:  # noqa: SLF001 - the router has no public unregister
-                manager.output_router.taps.pop(request_id, None)
+            router = _router(manager)
+            with router._lock:  # noqa: SLF001 - the router has no public unregister
+                router.taps.pop(request_id, None)
 
     def routing_counts(self) -> tuple[int, int] | None:
         """(outputs handed to the event loop, outputs tapped on the generation thread); None when stopped."""
         manager = self.manager
         if manager is None:
             return None
-        router = manager.output_router
+        router = _router(manager)
         return router.loop_outputs, router.tapped_outputs
 
     def sampling_steps(self) -> tuple[int, int] | None:
@@ -305,6 +318,7 @@ class BatchRunner:
         if manager is None:
             return None
         plist = manager.logit_processor
+        assert isinstance(plist, SamplingProcessors), "the runner installs its processors at start"
         return plist.steps_processed, plist.steps_skipped
 
     def cached_tokens(self, request_id: str) -> int:
@@ -396,6 +410,7 @@ class BatchRunner:
                 return
             allocator = next(iter(processor.cache.cache_allocators.values()))
             stats = self.kv_stats()
+            assert stats is not None  # the batch processor exists (checked above)
             owned = {b for table in allocator.block_table.values() for b in table}
             cached = set(allocator.ledger.cached_blocks)
             assert not (owned & cached), f"blocks both owned and cached: {sorted(owned & cached)}"

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from bounded import join, wait_until
 from engine_harness import ADMIN, LiveEngine
 
 from moetray.policy import wire
@@ -171,9 +172,7 @@ def test_a_transaction_outliving_its_reply_keeps_the_gate_closed_until_it_ends(e
         assert rebuild(eng, kv_tokens=2048).json()["error"]["kind"] == "busy"
     finally:
         hold.set()
-    deadline = time.monotonic() + 30
-    while eng.status()["state"] != "serving" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: eng.status()["state"] == "serving", 60, "the transaction to end and reopen the gate")
     status = eng.status()
     assert status["state"] == "serving"
     assert sizes(eng) == (before[0], 1024 // 16)
@@ -221,23 +220,31 @@ def _state(engine: LiveEngine) -> str:
 
 def test_rebuild_under_load_holds_new_work_until_it_applies_and_changes_no_output(slow, rebuild_faults):
     """In-flight requests finish, arrivals wait at the gate (no 503) and go on once it reopens,
-    nothing fails, outputs are unchanged, and the reply's durations are the wall time."""
+    nothing fails, outputs are unchanged, and the reply's durations are the wall time.
+
+    Each request runs 40 held steps (at least 0.8 s), so both in-flight ones are listed
+    together even when a loaded machine starts their threads far apart."""
     prompts = [f"load test prompt {i}" for i in range(4)]
-    baseline = {p: greedy(slow, p, n=12) for p in prompts}
+
+    def body(p):
+        return {"messages": [{"role": "user", "content": p}], "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True}
+
+    def reply_text(p, statuses):
+        return _post(slow.url, body(p), statuses)["choices"][0]["message"]["content"]
+
+    baseline = {p: reply_text(p, []) for p in prompts}
     results: dict[str, str] = {}
     statuses: list[int] = []
 
     def worker(p):
-        body = {"messages": [{"role": "user", "content": p}], "max_tokens": 12, "temperature": 0}
-        results[p] = _post(slow.url, body, statuses)["choices"][0]["message"]["content"]
+        results[p] = reply_text(p, statuses)
 
     inflight = [threading.Thread(target=worker, args=(p,)) for p in prompts[:2]]
     for t in inflight:
         t.start()
-    deadline = time.monotonic() + 120  # at least one in flight for the re-split to wait for
-    while not slow.status()["requests"] and any(t.is_alive() for t in inflight):
-        assert time.monotonic() < deadline, "the first requests never reached the engine"
-        time.sleep(0.005)
+    wait_until(lambda: len(slow.status()["requests"]) >= 2, 60, "both in-flight requests to be admitted",
+               poll_s=0.005)
     answer: dict = {}
 
     def resplit():
@@ -249,20 +256,18 @@ def test_rebuild_under_load_holds_new_work_until_it_applies_and_changes_no_outpu
     rebuild_faults(slow).hold = hold
     rb = threading.Thread(target=resplit)
     rb.start()
+    late: list[threading.Thread] = []
     try:
-        while _state(slow) != "rebuilding":
-            time.sleep(0.002)
+        wait_until(lambda: _state(slow) == "rebuilding", 60, "the engine to start the re-split", poll_s=0.002)
         late = [threading.Thread(target=worker, args=(p,)) for p in prompts[2:]]
         for t in late:
             t.start()
-        deadline = time.monotonic() + 30
-        while ((slow.status().get("rebuild_progress") or {}).get("held") or 0) < 2:
-            assert time.monotonic() < deadline, "the late requests were never held"
-            time.sleep(0.005)
+        wait_until(lambda: ((slow.status().get("rebuild_progress") or {}).get("held") or 0) >= 2, 60,
+                   "the late requests to be held at the gate", poll_s=0.005)
     finally:
         hold.set()
     for t in [*inflight, rb, *late]:
-        t.join(timeout=120)
+        join(t, 120, "the requests and the re-split under load")
     result = answer["r"].json()
     assert answer["r"].status_code == 200 and result["outcome"] == "applied"
     assert statuses == [200, 200, 200, 200]  # nobody was refused
@@ -388,8 +393,7 @@ def test_idle_wait_times_out_and_leaves_everything_as_it_was(slow):
         )
     )
     t.start()
-    while not slow.status()["requests"]:
-        time.sleep(0.005)
+    wait_until(lambda: slow.status()["requests"], 60, "the long request to be admitted", poll_s=0.005)
     before = sizes(slow)
     began = time.perf_counter()
     r = httpx.post(
@@ -406,6 +410,6 @@ def test_idle_wait_times_out_and_leaves_everything_as_it_was(slow):
     assert 200 <= err["elapsed_ms"] <= wall_ms
     assert sizes(slow) == before
     assert slow.status()["state"] == "serving"
-    t.join(timeout=120)
+    join(t, 120, "the long request")
     assert done["r"].status_code == 200
     assert done["r"].json()["choices"][0]["finish_reason"] == "length"

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_real_x_tray import screenshot, spread, wait_for, x_display  # noqa: F401 - x_display is a fixture
+from bounded import wait_until as wait_for
+from test_real_x_tray import screenshot, spread, x_display  # noqa: F401 - x_display is a fixture
 
 from moetray.app.settings import DEFAULT_PORT
 from moetray.app.supervisor import port_is_free

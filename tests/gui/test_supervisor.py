@@ -48,7 +48,7 @@ def sup(qloop, qtbot, tmp_path):
 
 
 def _ready(sup, qtbot, code):
-    with qtbot.waitSignal(sup.log_lines, timeout=10000) as lines:
+    with qtbot.waitSignal(sup.log_lines, timeout=60000) as lines:
         sup.start(plan(code))
     assert lines.args[0] == ["ready"]  # the child's output arrives as log lines
 
@@ -69,7 +69,7 @@ def test_a_child_already_gone_counts_as_stopped(sup, qtbot):
     _ready(sup, qtbot, SLEEPER)
     child = sup._child.proc
     child.kill()
-    child.wait()
+    child.wait(30)
     assert run_async(qtbot, sup.stop(grace_s=0.1, term_grace_s=0.1)) == -signal.SIGKILL
     assert sup.phase == Phase.IDLE
 
@@ -86,11 +86,11 @@ def test_restarts_follow_the_budget_then_the_engine_stays_down_until_a_user_star
     delays = []
     sup.restarting.connect(delays.append)
     for crash in range(1, 4):  # three crashes in the window: each restarted, with growing back-off
-        with qtbot.waitSignal(sup.log_lines, timeout=10000):  # the new child says ready
+        with qtbot.waitSignal(sup.log_lines, timeout=60000):  # the new child says ready
             sup._child.proc.kill()
         assert sup.crash_count == crash and sup.spawn_count == crash + 1
     assert delays == [0.05, 0.1, 0.2]
-    with qtbot.waitSignal(sup.gave_up, timeout=10000):  # the fourth is past the budget
+    with qtbot.waitSignal(sup.gave_up, timeout=60000):  # the fourth is past the budget
         sup._child.proc.kill()
     assert sup.phase == Phase.FAILED and sup.spawn_count == 4 and sup._restart_task is None
     _ready(sup, qtbot, SLEEPER)  # the user starts again: a fresh budget

@@ -6,11 +6,12 @@ before ending the child.
 from __future__ import annotations
 
 import os
+import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
+from bounded import wait_qt
 from live import run_async
 
 from moetray.app.application import AppOptions, MoetrayApp
@@ -19,8 +20,16 @@ from moetray.app.supervisor import EngineSupervisor, Phase
 from moetray.policy.restart import RestartBudget
 from moetray.ui.viewmodels import EngineState
 
+pytestmark = pytest.mark.slow  # each test starts real engine children (5-30 s apiece)
+
 START_MS = 240000
+NOTICE_MS = 60000
+"""How long a test waits for the supervisor to notice a crash or a hang: generous, since the
+rule under test is *how* it notices (the reason it gives), not how fast on a busy machine."""
 SMALL_POOLS = ["--budget-bytes", str(4 * 1024 * 1024), "--moe-capacity", "10"]
+UNRESPONSIVE_AFTER_S = 10.0
+"""The watchdog's threshold in these tests: a loaded CI machine can hold a healthy engine's
+/health reply for a few seconds, which must not count as the hang a test provokes."""
 
 
 def _alive(pid: int) -> bool:
@@ -41,7 +50,8 @@ def supervised(qapp, qloop, qtbot, tmp_path, monkeypatch):
     settings = Settings.at(tmp_path / SETTINGS_FILE)
     settings.engine_args = SMALL_POOLS
     settings.port = 0  # any free port: tests run side by side
-    supervisor = EngineSupervisor(restart_budget=RestartBudget(backoff_s=(0.2, 0.4, 0.8), max_crashes=2))
+    supervisor = EngineSupervisor(restart_budget=RestartBudget(backoff_s=(0.2, 0.4, 0.8), max_crashes=2),
+                                  unresponsive_after_s=UNRESPONSIVE_AFTER_S)
     app = MoetrayApp(qapp, settings, AppOptions(no_tray=True), supervisor=supervisor)
     app.initialize()
     notes: list[tuple[str, str, bool]] = []
@@ -58,41 +68,43 @@ def supervised(qapp, qloop, qtbot, tmp_path, monkeypatch):
 
 def _serve(app, qtbot, model: Path) -> int:
     assert app.start_serving(str(model))
-    qtbot.waitUntil(lambda: app.model.engine.state == EngineState.SERVING, timeout=START_MS)
+    wait_qt(qtbot, lambda: app.model.engine.state == EngineState.SERVING, START_MS, "the engine to serve")
     return app.supervisor.pid
 
 
-@pytest.mark.slow
 def test_crashes_and_hangs_are_restarted_within_the_budget_then_the_engine_stays_down(supervised, tiny_model,
                                                                                       qtbot):
     app, sup = supervised, supervised.supervisor
     first = _serve(app, qtbot, tiny_model)
-    with qtbot.waitSignal(sup.crashed, timeout=2000) as crashed:  # an exit is noticed within 2 s
+    with qtbot.waitSignal(sup.crashed, timeout=NOTICE_MS) as crashed:
         os.kill(first, signal.SIGKILL)
-    assert "exited" in crashed.args[0]
-    qtbot.waitUntil(lambda: app.model.engine.state == EngineState.SERVING and sup.pid not in (None, first),
-                    timeout=START_MS)
+    assert crashed.args[0] == f"The engine exited with code {-signal.SIGKILL}."  # the exit, by its code
+    wait_qt(qtbot, lambda: app.model.engine.state == EngineState.SERVING and sup.pid not in (None, first),
+            START_MS, "the restarted engine to serve")
     assert app.model.engine.api_url is not None  # serving again, at a URL to copy
     hung = sup.pid
     assert (sup.crash_count, sup.spawn_count) == (1, 2)
     os.kill(hung, signal.SIGSTOP)  # alive but silent: only the /health watchdog can tell
     try:
-        with qtbot.waitSignal(sup.crashed, timeout=3000) as stopped:
+        with qtbot.waitSignal(sup.crashed, timeout=NOTICE_MS) as stopped:
             pass
     finally:
         if _alive(hung):
             os.kill(hung, signal.SIGCONT)
-    assert "stopped answering" in stopped.args[0]
-    qtbot.waitUntil(lambda: app.model.engine.state == EngineState.SERVING and sup.pid not in (None, hung),
-                    timeout=START_MS)
+    # The watchdog's verdict, after at least its threshold of silence (never before it).
+    silence = re.fullmatch(r"The engine stopped answering \(no /health reply for ([\d.]+) s\)\.",
+                           stopped.args[0])
+    assert silence and float(silence[1]) >= UNRESPONSIVE_AFTER_S, stopped.args[0]
+    wait_qt(qtbot, lambda: app.model.engine.state == EngineState.SERVING and sup.pid not in (None, hung),
+            START_MS, "the engine restarted after the hang to serve")
     assert (sup.crash_count, sup.spawn_count) == (2, 3)
     assert app.model.engine.crash_count == 2  # shown: the count and the last reason
     assert "stopped answering" in app.model.engine.last_crash
     third = sup.pid
-    with qtbot.waitSignal(sup.gave_up, timeout=3000) as gave_up:  # past this budget (2): final
+    with qtbot.waitSignal(sup.gave_up, timeout=NOTICE_MS) as gave_up:  # past this budget (2): final
         os.kill(third, signal.SIGKILL)
     assert "exited" in gave_up.args[0]
-    qtbot.waitUntil(lambda: not _alive(third) or _zombie(third), timeout=10000)
+    wait_qt(qtbot, lambda: not _alive(third) or _zombie(third), NOTICE_MS, "the last engine to be reaped")
     # Terminal: failed, shown with the reason, no restart scheduled, no fourth engine.
     assert sup.phase == Phase.FAILED and sup._restart_task is None and sup.spawn_count == 3
     assert app.model.engine.state == EngineState.FAILED and app.model.engine.api_url is None
@@ -117,15 +129,14 @@ def test_quit_takes_the_stop_receipt_then_ends_the_engine(supervised, tiny_model
     assert app.settings.recent_models == [str(tiny_model)]
     # Load progress was shown while loading (the engine answers /health before its model is in).
     assert any(h.get("state") == "loading" and h.get("load_progress") for h in healths)
-    started = time.monotonic()
-    receipt = run_async(qtbot, app.stop_serving(), timeout_ms=60000)
+    receipt = run_async(qtbot, app.stop_serving(), timeout_ms=120000)
     assert receipt and receipt.get("drain_complete") is True
-    assert not _alive(pid) and sup.phase == Phase.IDLE and sup.last_returncode is not None
+    # Ended by the polite path: it exited on SIGINT by itself, no SIGTERM or SIGKILL needed.
+    assert not _alive(pid) and sup.phase == Phase.IDLE and sup.last_returncode == 0
     assert app.model.engine.state == EngineState.STOPPED
     assert any("stop receipt" in line for line in app.model.logs.lines)
     receipts = list(Path(os.environ["XDG_STATE_HOME"]).rglob("*.json"))
     assert len(receipts) == 1, receipts
-    assert time.monotonic() - started < 60
 
 
 def test_a_model_the_engine_refuses_shows_the_engines_own_reason(supervised, qtbot, tmp_path):
@@ -140,9 +151,14 @@ def test_a_model_the_engine_refuses_shows_the_engines_own_reason(supervised, qtb
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "vocab_size": 384}))
     assert supervised.start_serving(str(dense))
-    qtbot.waitUntil(lambda: supervised.model.engine.state == EngineState.FAILED, timeout=START_MS)
-    detail = supervised.model.engine.detail
-    assert detail.startswith("The engine failed: ") and "is not a mixture-of-experts checkpoint" in detail
+    wait_qt(qtbot, lambda: supervised.model.engine.state == EngineState.FAILED, START_MS,
+            "the engine to refuse the model")
+    # The state can arrive first (a status snapshot carries no failure reason); the reason
+    # follows with the next /health, so wait for it rather than read the first frame.
+    wait_qt(qtbot, lambda: "is not a mixture-of-experts checkpoint" in (supervised.model.engine.detail or ""),
+            START_MS, "the tray to show the engine's reason")
+    assert supervised.model.engine.state == EngineState.FAILED
+    assert supervised.model.engine.detail.startswith("The engine failed: ")
     # A refused model is never saved as the last or a recent one.
     assert str(dense) not in supervised.settings.recent_models
     assert supervised.settings.last_model != str(dense)
@@ -156,7 +172,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_settings_that_need_a_restart_say_so_and_restart_the_engine_on_the_lan_with_its_key(
         supervised, tiny_model, qtbot):
     """The Settings dialog on a serving engine: LAN and a new port need a restart, the dialog says
@@ -179,8 +194,9 @@ def test_settings_that_need_a_restart_say_so_and_restart_the_engine_on_the_lan_w
     assert dialog.api_key_note.isVisible() and str(app.settings.api_key_path) in dialog.api_key_note.text()
     dialog.accept()
     assert app.settings.host == LAN and app.settings.port == port
-    qtbot.waitUntil(lambda: app.model.engine.state == EngineState.SERVING
-                    and (app.model.engine.api_url or "").endswith(f":{port}/v1"), timeout=START_MS)
+    wait_qt(qtbot, lambda: app.model.engine.state == EngineState.SERVING
+            and (app.model.engine.api_url or "").endswith(f":{port}/v1"), START_MS,
+            "the engine restarted on the new port to serve")
     assert app.supervisor.pid != first and (not _alive(first) or _zombie(first))
     key_file = app.settings.api_key_path
     assert key_file.stat().st_mode & 0o777 == 0o600
