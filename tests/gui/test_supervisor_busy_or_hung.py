@@ -21,6 +21,7 @@ from health_poll import HealthPoller
 from live import run_async
 
 from moetray.app.supervisor import EngineSupervisor, LaunchSpec, Phase, prepare_launch
+from moetray.policy.restart import RestartBudget
 
 START_MS = 240000
 SMALL_POOLS = ("--budget-bytes", str(4 * 1024 * 1024), "--moe-capacity", "10")
@@ -101,7 +102,7 @@ def test_a_4mb_prompt_keeps_health_answering_and_the_engine_alive(supervisor, ti
 def test_a_stopped_engine_is_hung_even_when_it_was_busy(supervisor, tiny_model, qtbot):
     """SIGSTOP while a request runs: the last /health said busy, so the supervisor waits out its
     busy grace instead of the 2 s, and then declares the silent engine hung all the same."""
-    sup = supervisor(tiny_model, busy_grace_s=6.0, max_restarts=0)
+    sup = supervisor(tiny_model, busy_grace_s=6.0, restart_budget=RestartBudget(max_crashes=0))
     pid, url = sup.pid, sup.plan.base_url
     body = {"prompt": "go on", "max_tokens": 100000, "ignore_eos": True, "stream": True}
     stream = threading.Thread(target=_read_until_cut, args=(url, body), daemon=True)
