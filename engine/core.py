@@ -30,6 +30,7 @@ from moetray.engine.cb import (
     BatchRunner,
     RunnerConfig,
     Sampling,
+    TokenLogprob,
     choose_prefix_policy,
     kv_bytes_per_page,
     kv_overhead_bytes,
@@ -76,6 +77,8 @@ class EngineOptions:
     link_gbps: float | None = None
     outbox_dir: Path | None = None
     rebuild_idle_timeout_s: float = 30.0
+    model_aliases: tuple[str, ...] = ()  # more names /v1/* accepts besides the id, "default", the folder
+    accept_any_model: bool = False  # accept any "model" name (clients that hard-code one)
     test_hooks: bool = False
     test_step_delay_s: float = 0.0  # test hook: every batch step sleeps this long (needs test_hooks)
     instance_id: str | None = None
@@ -118,6 +121,7 @@ class Step:
     tokens: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
 
 _CANCELLED = object()
@@ -312,7 +316,12 @@ class Engine:
         self.pricing = pricing
         self.eos_ids = loader.eos_token_ids(loaded.model, loaded.tokenizer)
         self._progress("probing the chat template", 0, 1)
-        self.chat = ChatSupport.probe(loaded.tokenizer, info, eos_ids=self.eos_ids)
+        self.chat = ChatSupport.probe(
+            loaded.tokenizer,
+            info,
+            eos_ids=self.eos_ids,
+            vocab_size=loaded.model.config.get_text_config().vocab_size,
+        )
         self.eos_ids += tuple(t for t in self.chat.turn_stop_ids if t not in self.eos_ids)
         self._progress("allocating the KV pool", 0, 1)
         self.runner = self.make_runner(sizes.kv_pages)
@@ -498,6 +507,8 @@ class Engine:
                 tokens = item.generated_tokens
                 self._account(record, tokens)
                 new = list(tokens[seen:])
+                taken = runner.logprobs(record.id)
+                logprobs = None if taken is None else taken[seen : len(tokens)]
                 seen = len(tokens)
                 if item.error is not None:
                     finished = True
@@ -506,10 +517,10 @@ class Engine:
                     finished = True
                     ended_by_eos = not record.sampling.ignore_eos and tokens and tokens[-1] in self.eos_ids
                     reason = "stop" if ended_by_eos else "length"
-                    yield Step(new, True, reason)
+                    yield Step(new, True, reason, logprobs)
                     return
                 if new:
-                    yield Step(new, False)
+                    yield Step(new, False, logprobs=logprobs)
         finally:
             if not finished:
                 runner.cancel(record.id)
