@@ -78,6 +78,7 @@ def refusal_classes() -> tuple[type[Exception], ...]:
     """Every exception type that carries a refusal ``.kind`` (mapped through ``wire.REFUSALS``)."""
     from moetray.engine.api.errors import ApiError
     from moetray.engine.budget import ContextTooLong
+    from moetray.engine.cb import GrammarRefused
     from moetray.engine.core import EngineUnavailable
     from moetray.policy.effort import EffortRefused
     from moetray.policy.maintenance import AdmissionClosed, RebuildRefused, StopRefused
@@ -94,6 +95,7 @@ def refusal_classes() -> tuple[type[Exception], ...]:
         ContextTooLong,
         EngineUnavailable,
         EffortRefused,
+        GrammarRefused,
     )
 
 

@@ -93,6 +93,14 @@ class GrammarCompiler:
                     ) from exc
             return self._tokenizer
 
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes (a token may hold part of a character); for log-probabilities."""
+        try:
+            tokenizer = self.tokenizer()
+        except GrammarRefused:
+            return [self._hf.decode([int(t)]).encode("utf-8") for t in ids]
+        return [tokenizer.decode_bytes([int(t)]) for t in ids]
+
     def literal(self, text: str) -> str:
         """``text`` as a Lark item: a token reference when it is one special token, else a string."""
         tid = self._special.get(text)
