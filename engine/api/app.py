@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moetray.engine.api.errors import exception_response, refusal_response
@@ -105,6 +106,7 @@ def build_app(
     """The engine's HTTP application (the model loads on startup unless told otherwise)."""
     from moetray.engine.api.admin_routes import build_router as admin_router
     from moetray.engine.api.openai_routes import build_router as openai_router
+    from moetray.engine.api.responses_routes import build_router as responses_router
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -115,7 +117,9 @@ def build_app(
         finally:
             engine.shutdown()
 
-    app = FastAPI(
+    # FastAPIOffline: /docs and /redoc serve their Swagger UI and Redoc assets from the
+    # installed package (fastapi-offline), never from a CDN, so they work with no network.
+    app = FastAPIOffline(
         title="moetray engine",
         version="0.1.0",
         lifespan=lifespan,
@@ -139,6 +143,7 @@ def build_app(
         app.add_exception_handler(cls, on_refusal)
 
     app.include_router(openai_router(engine))
+    app.include_router(responses_router(engine))
     app.include_router(admin_router(engine))
     app.add_middleware(SecurityMiddleware, credentials=credentials, hosts=hosts)
     return app
