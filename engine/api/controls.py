@@ -16,7 +16,7 @@ from typing import Any
 from moetray.engine.api.errors import ApiError
 from moetray.engine.api.schemas import GenerationFields
 from moetray.engine.cb import Grammar, Sampling, json_item
-from moetray.engine.cb.tool_grammar import calls_lark, constraint_lark, text_without_calls
+from moetray.engine.cb.tool_grammar import calls_lark, constraint_lark, text_then_calls, text_without_calls
 from moetray.engine.core import Engine
 
 DEFAULT_MODEL_NAME = "default"
@@ -263,9 +263,9 @@ def plan_output(
     rules = calls_lark(fmt, functions, lit=lit, parallel=parallel_tool_calls)
     if answer is not None:
         return OutputPlan(tools, parser_tools, f"({answer} | calls)", tuple(rules), "response_format")
-    if not parallel_tool_calls:
-        text, text_rules = text_without_calls(fmt, lit=lit)
-        return OutputPlan(tools, parser_tools, f"{text} calls?", (*rules, *text_rules), "tools")
+    if not parallel_tool_calls and fmt.opener() is not None:
+        body, rules = text_then_calls(fmt, functions, lit=lit)
+        return OutputPlan(tools, parser_tools, body, tuple(rules), "tools")
     return OutputPlan(tools, parser_tools)
 
 

@@ -23,8 +23,14 @@ class Weather(BaseModel):
 def test_langchain_bind_tools_and_structured_output(live):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model="default", base_url=f"{live.url}/v1", api_key="unused", temperature=0,
-                     max_tokens=200, max_retries=0)
+    llm = ChatOpenAI(
+        model="default",
+        base_url=f"{live.url}/v1",
+        api_key="unused",
+        temperature=0,
+        max_tokens=200,
+        max_retries=0,
+    )
     message = llm.bind_tools([Weather], tool_choice="Weather").invoke("Weather in Paris?")
     (call,) = message.tool_calls
     assert call["name"] == "Weather"

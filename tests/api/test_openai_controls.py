@@ -134,7 +134,10 @@ def test_json_schema_output_validates_against_the_schema(client):
     schema = SCHEMAS["get_weather"]
     reply = _chat(
         client,
-        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}},
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "w", "schema": schema, "strict": True},
+        },
         max_tokens=200,
     )
     value = json.loads(reply.choices[0].message.content)
@@ -172,16 +175,23 @@ def test_logit_bias_bans_and_forces_tokens(client, live):
     banned = _chat(client, logit_bias={str(first): -100}, **kw).choices[0].logprobs.content
     assert _token_ids(live, banned)[0] != first
     forced_id = live.engine.chat.encode("x")[0]
-    forced = client.completions.create(model="default", prompt="Hello there", max_tokens=5, temperature=0,
-                                       logit_bias={str(forced_id): 100})
+    forced = client.completions.create(
+        model="default", prompt="Hello there", max_tokens=5, temperature=0, logit_bias={str(forced_id): 100}
+    )
     assert forced.choices[0].text == "x" * 5
 
 
 def test_penalties_change_a_repetitive_greedy_output(client):
     """A random model's greedy text repeats; frequency and presence penalties break the repetition."""
     base = client.completions.create(model="default", prompt="Tell me", max_tokens=40, temperature=0)
-    penalised = client.completions.create(model="default", prompt="Tell me", max_tokens=40, temperature=0,
-                                          frequency_penalty=2.0, presence_penalty=2.0)
+    penalised = client.completions.create(
+        model="default",
+        prompt="Tell me",
+        max_tokens=40,
+        temperature=0,
+        frequency_penalty=2.0,
+        presence_penalty=2.0,
+    )
     assert penalised.choices[0].text != base.choices[0].text
     assert len(set(penalised.choices[0].text)) >= len(set(base.choices[0].text))
 
@@ -237,8 +247,14 @@ def test_chat_logprobs_one_entry_per_token(client, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_logprobs_shape(live, stream):
-    body = {"model": "default", "prompt": "Hello", "max_tokens": 5, "temperature": 0, "logprobs": 2,
-            "stream": stream}
+    body = {
+        "model": "default",
+        "prompt": "Hello",
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": 2,
+        "stream": stream,
+    }
     if stream:
         lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         text = ""
@@ -262,8 +278,9 @@ def test_completion_logprobs_shape(live, stream):
 def test_logprobs_leave_greedy_tokens_unchanged(client):
     """Asking for log-probabilities runs the stages but picks the same greedy tokens."""
     plain = client.completions.create(model="default", prompt="The experts", max_tokens=10, temperature=0)
-    with_lp = client.completions.create(model="default", prompt="The experts", max_tokens=10, temperature=0,
-                                        logprobs=1)
+    with_lp = client.completions.create(
+        model="default", prompt="The experts", max_tokens=10, temperature=0, logprobs=1
+    )
     assert with_lp.choices[0].text == plain.choices[0].text
 
 
@@ -293,8 +310,10 @@ def test_model_aliases_and_any_model(tiny_qwen3, start_engine):
 
 
 def test_image_content_is_refused_not_dropped(client):
-    parts = [{"type": "text", "text": "what is this?"},
-             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    parts = [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    ]
     with pytest.raises(openai.BadRequestError) as err:
         _chat(client, messages=[{"role": "user", "content": parts}], max_tokens=1)
     assert err.value.body["code"] == "unsupported_content"
