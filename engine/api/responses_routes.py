@@ -117,8 +117,7 @@ def chat_response_format(text: Mapping[str, Any] | None) -> dict[str, Any] | Non
 class _Output:
     """The response's ``output`` items as they form, and the stream events that build them."""
 
-    def __init__(self, run: ChoiceRun) -> None:
-        self.run = run
+    def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item receiving deltas
         self.calls: dict[int, dict[str, Any]] = {}
@@ -326,7 +325,7 @@ def build_router(engine: Engine) -> APIRouter:
         )
         rid, created, model = f"resp_{start.records[0].id}", int(time.time()), engine.model_id()
         run = start.runs[0]
-        output = _Output(run)
+        output = _Output()
         if not body.stream:
             watcher = asyncio.create_task(_watch_disconnect(request, engine, start.records))
             try:

@@ -49,14 +49,18 @@ class GrammarRefused(Refused, ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Grammar:
-    """A validated llguidance grammar for one model; ``matcher()`` starts one request's parse."""
+    """A validated llguidance grammar for one model; ``matcher()`` starts one request's parse.
+
+    The grammar is built once, when compiled (off the event loop); each matcher is a copy of
+    that first one, which costs microseconds however large the schema.
+    """
 
     text: str
-    tokenizer: Any  # llguidance.LLTokenizer
+    prototype: Any  # llguidance.LLMatcher, never advanced
     n_vocab: int
 
     def matcher(self):
-        return llguidance.LLMatcher(self.tokenizer, self.text, log_level=0)
+        return self.prototype.deep_copy()
 
 
 class GrammarCompiler:
@@ -116,7 +120,7 @@ class GrammarCompiler:
                 "invalid_schema", f"the schema cannot be enforced: {messages[0] if messages else lark}",
                 param=param,
             )
-        return Grammar(text, tokenizer, self.vocab_size)
+        return Grammar(text, llguidance.LLMatcher(tokenizer, text, log_level=0), self.vocab_size)
 
 
 def json_item(schema: Mapping[str, Any], *, strict: bool = True) -> str:
