@@ -23,6 +23,7 @@ from starlette.background import BackgroundTask
 
 from moetray.engine.api import controls
 from moetray.engine.api.errors import ApiError
+from moetray.engine.api.prompts import chat_prompt, text_prompt
 from moetray.engine.api.runs import ChoiceRun, chat_logprobs, completion_logprobs, run_choices, usage
 from moetray.engine.api.schemas import ChatRequest, CompletionRequest
 from moetray.engine.cb import Sampling
@@ -117,13 +118,9 @@ async def start_chat(
         parallel_tool_calls=parallel_tool_calls,
         response_format=response_format,
     )
-    try:
-        prompt_text = chat.render(messages, tools=plan.prompt_tools, **(template_kwargs or {}))
-    except Exception as exc:
-        raise ApiError(
-            "invalid_request_error", f"the chat template rejected these messages: {exc}", param="messages"
-        ) from exc
-    prompt_ids = chat.encode(prompt_text)
+    prompt_text, prompt_ids = await chat_prompt(
+        engine, chat, messages, plan.prompt_tools, template_kwargs or {}
+    )
     max_new = engine.fit_max_tokens(len(prompt_ids), max_tokens)
     stops = stops if getattr(body, "ignore_eos", False) else chat.stop_strings(stops)
     grammar = await controls.compile_plan(chat, plan, prompt_text)
@@ -231,7 +228,7 @@ def build_router(engine: Engine) -> APIRouter:
                 raise ApiError("invalid_request_error", "one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = chat.encode(prompt)
+            prompt_ids = await text_prompt(engine, chat, prompt)
         else:
             vocab = len(chat.tokenizer)
             if any(t < 0 or t >= vocab for t in prompt):

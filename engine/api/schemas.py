@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic.json_schema import SkipJsonSchema
 
+from moetray.engine.api.fields import whole_int
 from moetray.engine.budget import MAX_TOKENS_CEILING
 
 MAX_CHOICES = 8
@@ -58,15 +59,15 @@ class GenerationFields(BaseModel):
     model: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_CEILING)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: StrictInt | None = None
+    max_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: whole_int(-(1 << 63), (1 << 63) - 1) | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    n: whole_int(1, MAX_CHOICES) = 1
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, StrictFloat] | None = None
     # vLLM's extension: generate exactly max_tokens, past EOS and the end-of-turn marker.
     ignore_eos: StrictBool = False
     # Test hook (honoured only when the engine runs with --test-hooks): the real engine
@@ -77,13 +78,13 @@ class GenerationFields(BaseModel):
 
 class ChatRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_CEILING)
+    max_completion_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
     tools: list[Tool] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
     response_format: dict[str, Any] | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: whole_int(0, MAX_TOP_LOGPROBS) | None = None
     reasoning_effort: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -91,7 +92,7 @@ class ChatRequest(GenerationFields):
 class CompletionRequest(GenerationFields):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] = ""
     echo: StrictBool = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: whole_int(0, MAX_TOP_LOGPROBS) | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -101,9 +102,9 @@ class ResponsesRequest(BaseModel):
     model: StrictStr | None = None
     input: StrictStr | list[dict[str, Any]]
     instructions: StrictStr | None = None
-    max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_CEILING)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_output_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
