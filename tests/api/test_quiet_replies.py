@@ -73,11 +73,14 @@ def test_a_quiet_reply_is_accounted_step_by_step(live):
     lump at the end), its first token is timed once, and the totals count every token."""
     telemetry = live.engine.telemetry
     served0, total0 = telemetry.requests_served, telemetry.completion_tokens_total
-    events0, ttft0 = len(telemetry._token_events), len(telemetry._ttft_ms)
+    # Both windows are bounded (events by age, TTFT samples by count) and the session's engine
+    # has served many requests: count this reply's events by time, its TTFT samples from empty.
+    start = live.engine.clock()
+    telemetry._ttft_ms.clear()
     whole = _chat(live)
     assert whole["usage"]["completion_tokens"] == 10
-    assert len(telemetry._token_events) - events0 == 10
-    assert len(telemetry._ttft_ms) - ttft0 == 1
+    assert sum(1 for at, _ in telemetry._token_events if at >= start) == 10
+    assert len(telemetry._ttft_ms) == 1
     assert (telemetry.requests_served - served0, telemetry.completion_tokens_total - total0) == (1, 10)
 
 
