@@ -363,11 +363,16 @@ class SamplingProcessors(ContinuousBatchingLogitsProcessorList):
     the decision made here holds for exactly that step: a step whose rows all pass
     :func:`needs_processors` as false skips the argument tensors and the full-vocab passes
     and goes straight to the stock argmax. ``steps_processed`` / ``steps_skipped`` count
-    the two paths; ``masks_computed`` counts grammar masks.
+    the two paths; ``masks_computed`` counts grammar masks and ``stage_runs`` the steps each
+    processor ran.
     """
+
+    PENALTY, GRAMMAR, TEMPERATURE, TOP_P, DRAW = range(5)
+    """Each processor's place in the list (and its row in the argument storage)."""
 
     def __init__(self) -> None:
         self.step = _Step()
+        self.active: list[int] = []
         processors = [
             _PenaltyStage(self.step),
             _GrammarStage(self.step),
@@ -382,6 +387,7 @@ class SamplingProcessors(ContinuousBatchingLogitsProcessorList):
         self.steps_processed = 0
         self.steps_skipped = 0
         self.masks_computed = 0
+        self.stage_runs = [0] * len(processors)  # steps each processor ran, by its index
         self.requests: dict[str, RequestStages] = {}
 
     def register(self, request_id: str, sampling: Sampling, prompt_len: int) -> None:
@@ -408,7 +414,48 @@ class SamplingProcessors(ContinuousBatchingLogitsProcessorList):
             return arg_storage
         self.steps_processed += 1
         self._prepare_stages(rows)
-        return super().prepare_tensor_args(requests_in_batch, arg_storage)
+        self.active = self._active(rows)
+        for index in self.active:
+            arg = self.logits_processor[index].prepare_tensor_args(rows)
+            arg_storage[index, : arg.size(0)] = arg.to(arg_storage.device)
+        return arg_storage
+
+    def _active(self, rows) -> list[int]:
+        """Which processors this step runs (indices into the list), decided from its rows.
+
+        The penalty and grammar stages run when a row asks for them. Temperature, top-p and
+        the draw run only when some row samples, is forced, cuts a nucleus or takes
+        log-probabilities: for rows that are all greedy the stock argmax over the (penalised,
+        masked) scores picks what the draw would, so a constrained greedy step pays for its
+        mask and nothing else.
+        """
+        step = self.step
+        active = []
+        if step.penalised:
+            active.append(self.PENALTY)
+        if step.constrained:
+            active.append(self.GRAMMAR)
+        kwargs = [r.state.logit_processor_kwargs for r in rows]
+        if any(float(k.get("temperature", 1.0)) > 0.0 for k in kwargs):
+            active.append(self.TEMPERATURE)
+        if any(float(k.get("top_p", 1.0)) < 1.0 for k in kwargs):
+            active.append(self.TOP_P)
+        draw = (
+            step.logprob_rows
+            or self.TEMPERATURE in active
+            or self.TOP_P in active
+            or any(k.get("forced_tokens") is not None for k in kwargs)
+        )
+        if draw:
+            active.append(self.DRAW)
+        return active
+
+    def __call__(self, input_ids, scores: torch.Tensor, logits_processor_args: torch.Tensor) -> torch.Tensor:
+        """Run this step's active processors in order (see :meth:`_active`)."""
+        for index in self.active:
+            scores = self.logits_processor[index](scores, logits_processor_args[index])
+            self.stage_runs[index] += 1
+        return scores
 
     def _prepare_stages(self, rows) -> None:
         step = self.step

@@ -110,3 +110,24 @@ async def test_penalties_and_bias_change_what_greedy_picks(tiny):
     assert len(set(finals["pen"].generated_tokens)) > len(set(plain))
     assert banned not in finals["ban"].generated_tokens
     assert set(finals["force"].generated_tokens) <= {7, 9}
+
+
+async def test_a_greedy_constrained_step_runs_its_mask_and_nothing_else(tiny, grammars):
+    """Greedy rows under a grammar: the grammar stage runs every step, temperature and the draw never
+    (the stock argmax over the masked scores picks what the draw would); the output still validates."""
+    model, tok = tiny
+    grammar = grammars.compile(constraint_lark(body=json_item(SCHEMA), lit=grammars.literal))
+    runner = make_runner(model, policy="off")
+    try:
+        processors = runner.manager.logit_processor
+        before = list(processors.stage_runs)
+        out = await run_all(
+            runner, {"j": (prompt_ids(tok, "only json"), 80, Sampling(temperature=0.0, grammar=grammar))}
+        )
+        runs = [a - b for a, b in zip(processors.stage_runs, before, strict=True)]
+    finally:
+        runner.stop()
+    tokens = out["j"].generated_tokens
+    assert runs[processors.GRAMMAR] == len(tokens)
+    assert runs[processors.DRAW] == runs[processors.TEMPERATURE] == runs[processors.PENALTY] == 0
+    jsonschema.validate(json.loads(tok.decode(tokens[:-1])), SCHEMA)
