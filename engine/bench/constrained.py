@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,7 @@ def constrained_main(args, model_dir: Path, common: dict[str, Any]) -> int:
     """``--constrained-only``: the constrained-decoding rows alone, in their own receipt."""
     from moetray.engine.bench.results import write_receipt
 
+    load_before = os.getloadavg()
     child = start_moetray(model_dir, kv_tokens=args.kv_tokens, budget=4 * GIB, prefix="radix", **common)
     try:
         served_id = httpx.get(f"{child.url}/v1/models").json()["data"][0]["id"]
@@ -111,11 +113,16 @@ def constrained_main(args, model_dir: Path, common: dict[str, Any]) -> int:
     path = write_receipt(
         "serve-constrained",
         params=params,
-        results={"constrained": results, "goals": goals},
+        results={"constrained": results, "goals": goals, "loadavg": [load_before, os.getloadavg()]},
         columns=["measure", "constrained (A)", "unconstrained (B)", "A/B"],
         rows=rows,
         title="Serving: constrained decoding (llguidance masks) vs unconstrained, moetray (HTTP, CPU)",
-        notes=[CONSTRAINED_NOTE, f"Goals: {json.dumps(goals)}."],
+        notes=[
+            CONSTRAINED_NOTE,
+            f"Goals: {json.dumps(goals)}.",
+            f"Machine load average (1/5/15 min) before and after: {load_before} / {os.getloadavg()}; "
+            "wall-clock tok/s on a shared machine swings with it, server CPU ms per token much less.",
+        ],
     )
     print(f"receipt: {path}")
     for row in rows:
