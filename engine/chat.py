@@ -195,7 +195,8 @@ class ChatSupport:
         cls, tokenizer, info, *, eos_ids: Sequence[int] = (), vocab_size: int | None = None
     ) -> ChatSupport:
         """Learn the template by rendering: formats, end of turn, effort and thinking, the anchor
-        token, whether it renders ``tools`` itself.
+        token, whether it renders ``tools`` itself; build the grammar compiler's tokenizer view
+        (on the loading thread, so no request waits for it).
 
         Formats fall back to the checkpoint's identity when the template renders no markup;
         a ``moetray.json`` sidecar may name them explicitly. ``vocab_size`` is the model's
@@ -244,6 +245,7 @@ class ChatSupport:
                 tokenizer, vocab_size=vocab_size or len(tokenizer), eos_ids=[*eos_ids, *stop_ids]
             ),
         )
+        support.grammars.prepare()
         log.info(
             "chat template: tools=%s reasoning=%s end_of_turn=%r effort=%s thinking=%s anchor=%s",
             tool_format,

@@ -19,6 +19,7 @@ per constrained request each step (:func:`fill_token_bitmask`) and masks the log
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import llguidance
 import torch
 
 from moetray.policy.refused import Refused
+
+log = logging.getLogger("moetray.engine.cb.grammar")
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """How forced JSON is spaced: ``json.dumps``'s separators and no free whitespace, so a
@@ -96,6 +99,16 @@ class GrammarCompiler:
                         f"constrained decoding cannot read this model's tokenizer: {exc}",
                     ) from exc
             return self._tokenizer
+
+    def prepare(self) -> bool:
+        """Build the tokenizer view now (the loading thread calls this, so no request waits ~1 s
+        for it); returns whether constrained decoding is available. Refuses nothing."""
+        try:
+            self.tokenizer()
+        except GrammarRefused as exc:
+            log.warning("%s", exc)
+            return False
+        return True
 
     def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
         """Each token's own bytes (a token may hold part of a character); for log-probabilities."""
