@@ -31,8 +31,8 @@ TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
 def served_names(engine: Engine) -> list[str]:
     """The names a request's ``model`` may give: the id, ``default``, the folder, each alias."""
     names = [engine.model_id(), DEFAULT_MODEL_NAME]
-    if engine.loaded is not None:
-        names.append(engine.loaded.info.path.name)
+    if engine.served is not None:
+        names.append(engine.served.loaded.info.path.name)
     names += list(engine.options.model_aliases)
     return list(dict.fromkeys(n for n in names if n))
 
@@ -108,14 +108,15 @@ def forced_tokens(engine: Engine, body: GenerationFields | Any) -> tuple[int, ..
             "test hooks are disabled on this engine",
             param="moetray_test_forced_tokens",
         )
-    return tuple(tokens) if tokens is not None else tuple(engine.chat.encode(text))
+    return tuple(tokens) if tokens is not None else tuple(engine.chat_support().encode(text))
 
 
 def sampling_for(
     engine: Engine, body: Any, *, logprobs: int | None = None, grammar: Grammar | None = None
 ) -> Sampling:
     """The request's sampling (one choice; :func:`for_choice` varies the seed per choice)."""
-    vocab = engine.chat.grammars.vocab_size if engine.chat.grammars else len(engine.chat.tokenizer)
+    chat = engine.chat_support()
+    vocab = chat.grammars.vocab_size if chat.grammars else len(chat.tokenizer)
     return Sampling(
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),

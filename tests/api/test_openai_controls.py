@@ -64,7 +64,7 @@ def _chat(client, **kw):
 def test_tools_reach_the_prompt_through_a_tool_block_in_the_familys_format(live, client):
     """The tiny ChatML template has no tool section: the engine writes one (Hermes, the family's
     format), so ``prompt_tokens`` grows and the prompt names the function and the call markup."""
-    chat = live.engine.chat
+    chat = live.engine.chat_support()
     assert not chat.template_renders_tools
     plain = _chat(client, max_tokens=1)
     with_tools = _chat(client, tools=[WEATHER], max_tokens=1)
@@ -121,9 +121,9 @@ def test_a_named_function_not_among_the_tools_is_refused(client):
 
 def test_tool_choice_none_masks_the_opener(live, client):
     """``none``: the grammar stage runs (masks counted) with the opener excluded, and no call comes back."""
-    before = live.engine.runner.masks_computed()
+    before = live.engine.pools.runner.masks_computed()
     choice = _chat(client, tools=[WEATHER], tool_choice="none", max_tokens=6).choices[0]
-    assert live.engine.runner.masks_computed() > before
+    assert live.engine.pools.runner.masks_computed() > before
     assert not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
 
 
@@ -164,8 +164,8 @@ def test_an_unknown_response_format_is_refused_by_field(client):
 
 def _token_ids(live, entries) -> list[int]:
     """Token ids of chat log-probability entries, by their exact bytes."""
-    vocab = live.engine.chat.grammars.vocab_size
-    by_bytes = {b: t for t, b in enumerate(live.engine.chat.grammars.token_bytes(range(vocab)))}
+    vocab = live.engine.chat_support().grammars.vocab_size
+    by_bytes = {b: t for t, b in enumerate(live.engine.chat_support().grammars.token_bytes(range(vocab)))}
     return [by_bytes[bytes(e.bytes)] for e in entries]
 
 
@@ -174,7 +174,7 @@ def test_logit_bias_bans_and_forces_tokens(client, live):
     first = _token_ids(live, _chat(client, **kw).choices[0].logprobs.content)[0]
     banned = _chat(client, logit_bias={str(first): -100}, **kw).choices[0].logprobs.content
     assert _token_ids(live, banned)[0] != first
-    forced_id = live.engine.chat.encode("x")[0]
+    forced_id = live.engine.chat_support().encode("x")[0]
     forced = client.completions.create(
         model="default", prompt="Hello there", max_tokens=5, temperature=0, logit_bias={str(forced_id): 100}
     )
