@@ -123,3 +123,5 @@ def test_previous_response_id_is_refused_by_name(client):
         client.responses.create(model="default", input="hi", previous_response_id="resp_1")
     assert err.value.body["code"] == "unsupported_parameter"
     assert err.value.body["param"] == "previous_response_id"
+    kept = client.responses.create(model="default", input="hi", store=True, max_output_tokens=2)
+    assert kept.store is False  # nothing is kept, and the reply says so
