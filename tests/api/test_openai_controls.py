@@ -202,6 +202,31 @@ def test_logit_bias_outside_the_vocabulary_is_refused(client):
     assert err.value.body["param"] == "logit_bias"
 
 
+def test_a_vocabulary_padded_past_the_tokenizer_is_biased_and_masked_over_every_logit(
+    tiny_qwen3, start_engine, tmp_path
+):
+    """Real checkpoints pad the output layer past the tokenizer (Qwen3: 151 936 logits, 151 669
+    tokens). Bias and grammar masks span the model's logits, not the tokenizer's length: a
+    padding id is a valid ``logit_bias`` key, and a schema still forces schema-valid output."""
+    import shutil
+
+    from tiny_moe import make_tokenizer
+
+    padded = tmp_path / "padded"
+    shutil.copytree(tiny_qwen3, padded)
+    make_tokenizer(320).save_pretrained(padded)  # 320 tokens under a 384-logit head
+    engine = start_engine(padded)
+    c = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="x", max_retries=0)
+    assert _chat(c, max_tokens=2, logit_bias={"383": -100}).choices
+    schema = SCHEMAS["get_time"]
+    shaped = _chat(
+        c,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+        max_tokens=120,
+    )
+    jsonschema.validate(json.loads(shaped.choices[0].message.content), schema)
+
+
 # --- n ---------------------------------------------------------------------------------------------
 
 
