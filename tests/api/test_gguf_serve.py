@@ -141,7 +141,7 @@ def test_a_live_engine_over_a_gguf_serves_openai_routes_with_experts_offloaded(t
     try:
         with engine.client() as client:
             reply = client.post(
-                "/v1/completions", json={"model": "x", "prompt": "Hello", "max_tokens": 6, "temperature": 0}
+                "/v1/completions", json={"model": "default", "prompt": "Hello", "max_tokens": 6, "temperature": 0}
             )
             assert reply.status_code == 200, reply.text
             status = client.get("/admin/status", headers=ADMIN).json()
