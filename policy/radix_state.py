@@ -90,6 +90,10 @@ class HybridRadixCache(RadixCache):
         """Every snapshot the tree holds."""
         return self._evictable_states + self._protected_states
 
+    def snapshot_slots(self) -> tuple[int, ...]:
+        """Every state slot the tree holds, ascending (what a caller reclaims when it drops the tree)."""
+        return tuple(sorted(self._state_slots))
+
     def state_of(self, node: RadixNode) -> int | None:
         """The snapshot slot at ``node``'s end boundary, or None (none or a tombstone); refuses stale."""
         self._check_handle(node)
