@@ -163,6 +163,20 @@ def _jitter_constants(model: torch.nn.Module) -> None:
                 tensor.add_((0.1 * abs(value) if value else 0.01) * torch.randn_like(tensor))
 
 
+def _long_memory(model: torch.nn.Module) -> None:
+    """Give every Gated DeltaNet layer a slow decay and a strong output, as trained ones have.
+
+    At random init the recurrence forgets within a few tokens and its output is small beside
+    the residual stream, so a wrong or stale state would barely move a token; with a decay near 1
+    the state carries the whole prompt, and a state error changes the greedy tokens."""
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("GatedDeltaNet"):
+                module.A_log.copy_(torch.log(torch.empty_like(module.A_log).uniform_(0.02, 0.08)))
+                module.dt_bias.copy_(torch.empty_like(module.dt_bias).uniform_(-4.0, -3.0))
+                module.out_proj.weight.mul_(6.0)
+
+
 def make_tiny_moe(dest: Path, family: str = "qwen3_moe", layout: str = "per_expert",
                   seed: int = 0, **config_kw) -> Path:
     """Write a tiny random MoE checkpoint folder to ``dest`` and return it."""
@@ -177,6 +191,8 @@ def make_tiny_moe(dest: Path, family: str = "qwen3_moe", layout: str = "per_expe
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if family in _CONSTANT_INIT_FAMILIES:
         _jitter_constants(model)
+    if family in HYBRID_FAMILIES:
+        _long_memory(model)
     model.generation_config.eos_token_id = config.get_text_config().eos_token_id
     model.generation_config.pad_token_id = config.get_text_config().pad_token_id
     model.save_pretrained(dest)

@@ -79,9 +79,20 @@ def _refuse_quantized(config) -> None:
         raise CheckpointError(exc.kind, str(exc), **exc.fields) from exc
 
 
+def _refuse_unservable_layers(config) -> None:
+    """``cb.refuse_unservable_layers`` as a :class:`CheckpointError` (``unsupported_layers``)."""
+    from moetray.engine.cb import UnsupportedLayers, refuse_unservable_layers
+
+    try:
+        refuse_unservable_layers(config)
+    except UnsupportedLayers as exc:
+        raise CheckpointError(exc.kind, str(exc), **exc.fields) from exc
+
+
 def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     """Reads a checkpoint folder's config and sidecar; loads no weights. Raises ``CheckpointError``
-    (``not_a_checkpoint``, ``unreadable_config``, ``quantized_checkpoint``, ``not_moe``)."""
+    (``not_a_checkpoint``, ``unreadable_config``, ``quantized_checkpoint``, ``unsupported_layers``:
+    a layer type the engine cannot serve, such as another family's recurrent blocks, ``not_moe``)."""
     from transformers import AutoConfig
 
     root = Path(path).expanduser().resolve()
@@ -92,6 +103,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     except Exception as exc:
         raise CheckpointError("unreadable_config", f"{root}/config.json: {exc}") from exc
     _refuse_quantized(config)
+    _refuse_unservable_layers(config)
     text = config.get_text_config()
     num_experts = _first_int(text, "num_experts", "num_local_experts", "n_routed_experts")
     top_k = _first_int(text, "num_experts_per_tok", "moe_topk", "top_k")
@@ -107,6 +119,8 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         default_top_k = top_k
     arch = (config.architectures or [type(config).__name__])[0]
     label = sidecar.get("label") or f"{arch} ({num_experts} experts, top-{default_top_k})"
+    if text is not config and not sidecar.get("label"):
+        label += ", text only"  # a multimodal checkpoint: its language model is what is served
     return CheckpointInfo(
         path=root,
         model_id=sidecar.get("model_id") or root.name,
