@@ -34,12 +34,15 @@ from moetray.engine.cb import (
     kv_bytes_per_page,
     kv_overhead_bytes,
 )
+from moetray.engine.cb.state import StateGeometry
 from moetray.engine.telemetry import Telemetry, device_memory
 from moetray.policy import wire
 from moetray.policy.maintenance import GateState, MaintenanceGate, SealedAccounting
 from moetray.policy.pool_budget import (
     DEFAULT_KV_RESERVE_TOKENS,
     DEFAULT_MEMORY_RATIO,
+    DEFAULT_STATE_RESERVE_SLOTS,
+    MIN_STATE_SLOTS,
     BudgetTooSmall,
     PoolFloors,
     PoolSizes,
@@ -64,6 +67,7 @@ class EngineOptions:
     dtype: str = "auto"
     moe_capacity: int | None = None  # expert slots; None: planned from the budget
     kv_tokens: int | None = None  # None: planned from the budget
+    state_slots: int | None = None  # recurrent-state slots (hybrid models); None: planned from the budget
     budget_bytes: int | None = None  # CPU: the device tier's budget; CUDA: overrides the measurement
     memory_ratio: float = DEFAULT_MEMORY_RATIO
     kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS
@@ -149,16 +153,20 @@ class PoolPricing:
     fixed_bytes: int
     floors: PoolFloors
     max_moe_slots: int
+    bytes_per_state_slot: int = 0  # one request's recurrent state (hybrid models); 0 without the pool
+
+    def costs(self) -> dict[str, int]:
+        """The keyword arguments every ``pool_budget`` verb takes from this pricing."""
+        return {
+            "budget_bytes": self.budget.budget_bytes,
+            "bytes_per_slot": self.bytes_per_slot,
+            "bytes_per_page": self.bytes_per_page,
+            "bytes_per_state_slot": self.bytes_per_state_slot,
+            "fixed_bytes": self.fixed_bytes,
+        }
 
     def limits(self):
-        return slider_limits(
-            self.floors,
-            budget_bytes=self.budget.budget_bytes,
-            bytes_per_slot=self.bytes_per_slot,
-            bytes_per_page=self.bytes_per_page,
-            max_moe_slots=self.max_moe_slots,
-            fixed_bytes=self.fixed_bytes,
-        )
+        return slider_limits(self.floors, max_moe_slots=self.max_moe_slots, **self.costs())
 
 
 class Engine:
@@ -286,7 +294,12 @@ class Engine:
         overhead_page, fixed = kv_overhead_bytes(
             loaded.model.config, page_size=page, dtype=dtype, max_batch_tokens=opts.max_batch_tokens
         )
-        floors = PoolFloors(moe_slots=floor_slots, kv_pages=reserve_pages(opts.max_batch_tokens, page) + 1)
+        geometry = StateGeometry.from_config(loaded.model.config, dtype)
+        floors = PoolFloors(
+            moe_slots=floor_slots,
+            kv_pages=reserve_pages(opts.max_batch_tokens, page) + 1,
+            state_slots=None if geometry is None else MIN_STATE_SLOTS,
+        )
         pricing = PoolPricing(
             budget=budget,
             bytes_per_slot=bytes_per_slot,
@@ -294,6 +307,7 @@ class Engine:
             fixed_bytes=fixed,
             floors=floors,
             max_moe_slots=runtime.num_layers * runtime.num_experts,
+            bytes_per_state_slot=0 if geometry is None else geometry.bytes_per_slot,
         )
         sizes = self._plan(pricing)
         log.info(
@@ -322,7 +336,7 @@ class Engine:
         # before the freeze would stay mapped after its first re-split (issue 11, defect 2).
         gc.freeze()
         self._progress("allocating the KV pool", 0, 1)
-        self.runner = self.make_runner(sizes.kv_pages)
+        self.runner = self.make_runner(sizes.kv_pages, sizes.state_slots)
         self.runner.start()
         self.ceiling = ContextCeiling.for_model(info.context_length, self.runner.kv_pages * page)
         del torch
@@ -330,52 +344,53 @@ class Engine:
     def _plan(self, pricing: PoolPricing) -> PoolSizes:
         """The start-up split: ``plan_budget`` unless the CLI pinned a pool, then checked like a rebuild."""
         opts = self.options
+        has_state = pricing.floors.state_slots is not None
         planned = plan_budget(
             pricing.floors,
-            budget_bytes=pricing.budget.budget_bytes,
-            bytes_per_slot=pricing.bytes_per_slot,
-            bytes_per_page=pricing.bytes_per_page,
             max_moe_slots=pricing.max_moe_slots,
             reserve_pages=reserve_pages(opts.kv_reserve_tokens, opts.page_size),
-            fixed_bytes=pricing.fixed_bytes,
+            reserve_state_slots=(opts.state_slots or DEFAULT_STATE_RESERVE_SLOTS) if has_state else 0,
+            **pricing.costs(),
         )
         pinned = RebuildRequest(
             moe_slots=opts.moe_capacity,
             kv_pages=None if opts.kv_tokens is None else reserve_pages(opts.kv_tokens, opts.page_size),
+            state_slots=opts.state_slots,
         )
-        if pinned.is_empty():
-            return planned
-        # A pinned pool keeps its size; the other is re-planned around it within the same budget.
+        if pinned.moe_slots is None and pinned.kv_pages is None:
+            if pinned.state_slots is None or not has_state:
+                return planned  # (a state pin on a model without the pool is refused below)
+        # A pinned pool keeps its size; the others are re-planned around it within the same budget.
+        state = planned.state_slots if pinned.state_slots is None else pinned.state_slots
+        room = pricing.budget.budget_bytes - pricing.fixed_bytes - state * pricing.bytes_per_state_slot
         if pinned.moe_slots is not None and pinned.kv_pages is None:
-            room = (
-                pricing.budget.budget_bytes - pricing.fixed_bytes - pinned.moe_slots * pricing.bytes_per_slot
-            )
+            room -= pinned.moe_slots * pricing.bytes_per_slot
             pinned = pinned._replace(kv_pages=max(room // pricing.bytes_per_page, pricing.floors.kv_pages))
         elif pinned.kv_pages is not None and pinned.moe_slots is None:
-            room = (
-                pricing.budget.budget_bytes - pricing.fixed_bytes - pinned.kv_pages * pricing.bytes_per_page
-            )
+            room -= pinned.kv_pages * pricing.bytes_per_page
             slots = min(room // pricing.bytes_per_slot, pricing.max_moe_slots)
             pinned = pinned._replace(moe_slots=max(slots, pricing.floors.moe_slots))
-        if pinned.moe_slots > pricing.max_moe_slots:
+        elif pinned.moe_slots is None and pinned.kv_pages is None:
+            planned_rest = plan_budget(
+                pricing.floors,
+                max_moe_slots=pricing.max_moe_slots,
+                reserve_pages=reserve_pages(opts.kv_reserve_tokens, opts.page_size),
+                reserve_state_slots=state,
+                **pricing.costs(),
+            )
+            pinned = pinned._replace(moe_slots=planned_rest.moe_slots, kv_pages=planned_rest.kv_pages)
+        if pinned.moe_slots is not None and pinned.moe_slots > pricing.max_moe_slots:
             pinned = pinned._replace(moe_slots=pricing.max_moe_slots)
-        return validate_rebuild(
-            pinned,
-            planned,
-            pricing.floors,
-            idle=True,
-            budget_bytes=pricing.budget.budget_bytes,
-            bytes_per_slot=pricing.bytes_per_slot,
-            bytes_per_page=pricing.bytes_per_page,
-            fixed_bytes=pricing.fixed_bytes,
-        )
+        return validate_rebuild(pinned, planned, pricing.floors, idle=True, **pricing.costs())
 
-    def make_runner(self, kv_pages: int) -> BatchRunner:
-        """A stopped batch runner over the loaded model with ``kv_pages`` KV pages."""
+    def make_runner(self, kv_pages: int, state_slots: int = 0) -> BatchRunner:
+        """A stopped batch runner over the loaded model with ``kv_pages`` KV pages (and, for a hybrid
+        model, ``state_slots`` recurrent-state slots)."""
         opts = self.options
         anchor_token = self.chat.anchor_token if self.chat is not None else None
         config = RunnerConfig(
             kv_pages=kv_pages,
+            state_slots=state_slots,
             page_size=opts.page_size,
             max_batch_tokens=opts.max_batch_tokens,
             max_requests_per_batch=opts.max_requests_per_batch,
@@ -390,8 +405,10 @@ class Engine:
 
     def pool_sizes(self) -> PoolSizes:
         runtime = self.loaded.runtime
-        kv = self.runner.kv_pages if self.runner is not None else 0
-        return PoolSizes(runtime.capacity, kv)
+        runner = self.runner
+        if runner is None:
+            return PoolSizes(runtime.capacity, 0, 0)
+        return PoolSizes(runtime.capacity, runner.kv_pages, runner.state_slots)
 
     def resize_context(self) -> None:
         """Re-derive the context ceiling after the KV pool changed size."""
@@ -661,7 +678,10 @@ class Engine:
             return None
         p = self.pricing
         sizes = self.pool_sizes()
-        stats = self.runner.kv_stats() if self.runner is not None else None
+        runner = self.runner
+        stats = runner.kv_stats() if runner is not None else None
+        states = runner.state_stats() if runner is not None else None
+        has_state = p.floors.state_slots is not None
         try:
             limits = p.limits().to_wire()
         except BudgetTooSmall:
@@ -671,17 +691,25 @@ class Engine:
             "kv_pages": sizes.kv_pages,
             "page_size": self.options.page_size,
             "kv_tokens": sizes.kv_pages * self.options.page_size,
+            "state_slots": sizes.state_slots,
             "bytes_per_slot": p.bytes_per_slot,
             "bytes_per_page": p.bytes_per_page,
+            "bytes_per_state_slot": p.bytes_per_state_slot,
             "budget_bytes": p.budget.budget_bytes,
             "fixed_bytes": p.fixed_bytes,
-            "floors": {"moe_slots": p.floors.moe_slots, "kv_pages": p.floors.kv_pages},
+            "floors": {
+                "moe_slots": p.floors.moe_slots,
+                "kv_pages": p.floors.kv_pages,
+                "state_slots": p.floors.state_slots or 0,
+            },
             "limits": limits,
             "kv_pages_used": stats.used if stats else None,
             "kv_pages_evictable": stats.evictable if stats else None,
+            "state_slots_used": (states.used if states else None) if has_state else 0,
             "live_bytes": {
                 "moe_slots": int(self.loaded.runtime.pool.rows.nbytes),
-                "kv_pages": self.runner.pool_bytes() if self.runner is not None else None,
+                "kv_pages": runner.pool_bytes() if runner is not None else None,
+                "state_slots": (runner.state_pool_bytes() if runner else None) if has_state else 0,
             },
         }
 

@@ -1,6 +1,6 @@
 """The live re-split of device memory between the expert slot pool and the KV pool.
 
-``POST /admin/cache/rebuild {"moe_slots"?, "kv_tokens"?}`` runs, in this order:
+``POST /admin/cache/rebuild {"moe_slots"?, "kv_tokens"?, "state_slots"?}`` runs, in this order:
 
 1. gate ``begin_rebuild`` (refused: ``not_ready`` / ``latched`` / ``busy``; nothing changed);
 2. ``validate_rebuild`` — arithmetic against the measured budget, before anything is freed;
@@ -45,7 +45,7 @@ from moetray.policy.pool_budget import (
     reserve_pages,
     validate_rebuild,
 )
-from moetray.policy.rebuild import Applied, RebuildTxn
+from moetray.policy.rebuild import RUNNER_POOLS, Applied, RebuildTxn, sizes_body
 from moetray.policy.wire import error_body, refusal_for
 
 log = logging.getLogger("moetray.engine.rebuild")
@@ -63,22 +63,26 @@ class AllocationFailed(RuntimeError):
 def _request_from(body: dict[str, Any], page_size: int) -> RebuildRequest:
     moe = body.get("moe_slots")
     kv_tokens = body.get("kv_tokens")
+    state = body.get("state_slots")
     return RebuildRequest(
         moe_slots=None if moe is None else int(moe),
         kv_pages=None if kv_tokens is None else reserve_pages(int(kv_tokens), page_size),
+        state_slots=None if state is None else int(state),
     )
 
 
-def _preflight_kv_growth(engine: Engine, target_pages: int) -> None:
-    """Refuse before teardown when the new KV pool cannot be allocated beside everything else.
+def _preflight_kv_growth(engine: Engine, target: PoolSizes) -> None:
+    """Refuse before teardown when the new KV and state pools cannot be allocated beside everything else.
 
-    The old pool is freed before the new one is made, so only the growth must fit in the
+    The old pools are freed before the new ones are made, so only the growth must fit in the
     memory free right now (device memory on CUDA, available host RAM on the CPU tier).
     """
     runner = engine.runner
     if runner is None:
         return
-    growth = (target_pages - runner.kv_pages) * engine.pricing.bytes_per_page
+    pricing = engine.pricing
+    growth = (target.kv_pages - runner.kv_pages) * pricing.bytes_per_page
+    growth += (target.state_slots - runner.state_slots) * pricing.bytes_per_state_slot
     if growth <= 0:
         return
     device = engine.loaded.device
@@ -91,7 +95,7 @@ def _preflight_kv_growth(engine: Engine, target_pages: int) -> None:
 
         free = int(psutil.virtual_memory().available)
     if growth > free:
-        raise AllocationFailed(f"the KV pool needs {growth} more bytes but only {free} are free")
+        raise AllocationFailed(f"the KV and state pools need {growth} more bytes but only {free} are free")
 
 
 def _free_then_allocate(engine: Engine, request: RebuildRequest):
@@ -102,19 +106,19 @@ def _free_then_allocate(engine: Engine, request: RebuildRequest):
     def step(mark_teardown, target: PoolSizes) -> PoolSizes:
         faults.wait_hold()
         touched = request.touched()
-        if "kv" not in touched:
+        if not touched & RUNNER_POOLS:
             # Expert pool only: resized in place between two steps of the batch loop; the KV
-            # pool and its prefix cache are untouched.
+            # and state pools and the prefix cache are untouched.
             if faults.take("before_teardown"):
                 runtime.inject_resize_fault("before_teardown")
             if faults.take("after_teardown"):
                 runtime.inject_resize_fault("after_teardown")
             with engine.runner.paused():
                 runtime.resize(target.moe_slots, mark_teardown=mark_teardown)
-            return PoolSizes(runtime.capacity, engine.runner.kv_pages)
+            return engine.pool_sizes()
         if faults.take("before_teardown"):
             raise AllocationFailed("injected: allocation failed before teardown")
-        _preflight_kv_growth(engine, target.kv_pages)
+        _preflight_kv_growth(engine, target)
         mark_teardown()
         old_runner, engine.runner = engine.runner, None
         old_runner.stop()
@@ -124,11 +128,11 @@ def _free_then_allocate(engine: Engine, request: RebuildRequest):
             runtime.resize(target.moe_slots)
         if faults.take("after_teardown"):
             raise AllocationFailed("injected: allocation failed after teardown")
-        runner = engine.make_runner(target.kv_pages)
+        runner = engine.make_runner(target.kv_pages, target.state_slots)
         runner.start()
         engine.runner = runner
         engine.resize_context()
-        return PoolSizes(runtime.capacity, runner.kv_pages)
+        return engine.pool_sizes()
 
     return step
 
@@ -147,12 +151,12 @@ def _restore(engine: Engine):
                     runtime.resize(old.moe_slots)
             else:
                 runtime.resize(old.moe_slots)
-        if "kv" in touched:
+        if touched & RUNNER_POOLS:
             if engine.runner is not None:
                 engine.runner.stop()
                 engine.runner = None
                 gc.collect()
-            runner = engine.make_runner(old.kv_pages)
+            runner = engine.make_runner(old.kv_pages, old.state_slots)
             runner.start()
             engine.runner = runner
             engine.resize_context()
@@ -172,19 +176,15 @@ async def run_rebuild(
     page = engine.options.page_size
     request = _request_from(body, page)
     if request.is_empty():
-        return 400, error_body("invalid_request_error", "name at least one of moe_slots, kv_tokens")
+        named = "name at least one of moe_slots, kv_tokens, state_slots"
+        return 400, error_body("invalid_request_error", named)
     with engine.lock:
         engine.gate.begin_rebuild()  # RebuildRefused → mapped by the server, nothing changed
     dispatched = False
     try:
         pricing = engine.pricing
         current = engine.pool_sizes()
-        args = dict(
-            budget_bytes=pricing.budget.budget_bytes,
-            bytes_per_slot=pricing.bytes_per_slot,
-            bytes_per_page=pricing.bytes_per_page,
-            fixed_bytes=pricing.fixed_bytes,
-        )
+        args = pricing.costs()
         if request.moe_slots is not None and request.moe_slots > pricing.max_moe_slots:
             raise RebuildRejected(
                 "too_large",
@@ -260,9 +260,11 @@ def _settle(engine: Engine, txn: RebuildTxn, outcome, t0: float) -> dict[str, An
     elapsed_ms = round((time.perf_counter() - t0) * 1000.0, 3)
     result = txn.result(outcome, page_size=page, elapsed_ms=elapsed_ms)
     engine.last_rebuild = result
+    before, after = result["before"], result["after"]
     moved = (
-        abs(result["after"]["moe_slots"] - result["before"]["moe_slots"]) * pricing.bytes_per_slot
-        + abs(result["after"]["kv_pages"] - result["before"]["kv_pages"]) * pricing.bytes_per_page
+        abs(after["moe_slots"] - before["moe_slots"]) * pricing.bytes_per_slot
+        + abs(after["kv_pages"] - before["kv_pages"]) * pricing.bytes_per_page
+        + abs(after["state_slots"] - before["state_slots"]) * pricing.bytes_per_state_slot
     )
     engine.rebuild_timings.append(
         {"outcome": outcome.outcome, "elapsed_ms": elapsed_ms, "bytes_moved": moved}
@@ -299,7 +301,7 @@ def _timed_out(timeout_s: float, sizes: PoolSizes, page: int) -> tuple[int, dict
 
 
 def _refusal(kind: str, message: str, sizes: PoolSizes, page: int) -> tuple[int, dict[str, Any]]:
-    body = {"moe_slots": sizes.moe_slots, "kv_pages": sizes.kv_pages, "kv_tokens": sizes.kv_pages * page}
+    body = sizes_body(sizes, page)
     result = {
         "outcome": "rejected_intact",
         "before": body,

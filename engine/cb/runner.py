@@ -376,6 +376,16 @@ class BatchRunner:
             return None
         return int(processor.cache.cache_tensor.nbytes)
 
+    def state_pool_bytes(self) -> int | None:
+        """Bytes the live state pool's tensors hold (0 without one); None when stopped."""
+        cache = self._cache()
+        if cache is None:
+            return None
+        if not isinstance(cache, HybridPagedCache):
+            return 0
+        pool = cache.states.pool
+        return sum(int(t.nbytes) for t in (*pool.conv.values(), *pool.recurrent.values()))
+
     @property
     def state_slots(self) -> int:
         """State-pool slots (0 for a model without linear-attention layers)."""
