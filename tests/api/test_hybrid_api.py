@@ -45,7 +45,9 @@ def stock(qwen35):
 
 
 def greedy(model, prompt: list[int], n: int = NEW) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -128,7 +130,9 @@ def test_a_three_pool_resplit_applies_and_tokens_stay_identical(hybrid_engine, s
 
 def test_a_state_pool_below_its_floor_is_refused_by_name(hybrid_engine):
     """Fewer than two slots could not keep a snapshot beside a running request."""
-    r = httpx.post(f"{hybrid_engine.url}/admin/cache/rebuild", headers=ADMIN, json={"state_slots": 1}, timeout=60)
+    r = httpx.post(
+        f"{hybrid_engine.url}/admin/cache/rebuild", headers=ADMIN, json={"state_slots": 1}, timeout=60
+    )
     error = r.json()["error"]
     assert (r.status_code, error["kind"], error["pool"], error["floor"]) == (400, "below_floor", "state", 2)
     assert hybrid_engine.status()["state"] == "serving"
@@ -168,7 +172,9 @@ def test_an_unservable_recurrent_architecture_fails_the_load_by_name(tmp_path, s
     from transformers import GraniteMoeHybridConfig
 
     folder = tmp_path / "granite-hybrid"
-    GraniteMoeHybridConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2).save_pretrained(folder)
+    GraniteMoeHybridConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2).save_pretrained(
+        folder
+    )
     engine = start_engine(folder, wait=False)
     health = engine.wait_state({"failed", "serving"})
     assert health["state"] == "failed" and health["error_kind"] == "unsupported_layers"

@@ -333,3 +333,113 @@ def test_another_familys_recurrent_layers_are_refused_before_any_weight_is_read(
         inspect_checkpoint(tmp_path)
     assert refusal.value.kind == "unsupported_layers"
     assert "granitemoehybrid" in str(refusal.value)
+
+
+# ---------------------------------------------------------------- anchors, cancellation, KV pressure
+
+ANCHOR = 100  # stands for a single-token tool-call opener
+
+
+async def _tool_turn_then_follow_up(model, tok, anchor_token):
+    runner = runner_for(model, anchor_token=anchor_token)
+    try:
+        first = chat(tok, "Plan a trip and call the weather tool for Paris.")
+        forced = (*range(7, 27), ANCHOR, *range(30, 49))
+        t1 = await run_all_forced(runner, first, forced)
+        anchor_len = len(first) + forced.index(ANCHOR) + 1
+        follow = (first + t1)[:anchor_len] + chat(tok, "tool result: sunny")
+        ledger = hybrid_cache(runner).ledger
+        holds = [(hold.state, len(hold.prefix)) for hold in ledger.retention.holds]
+        resumed = await run_all(runner, {"t2": (follow, 6)})
+        runner.check_integrity()
+        return {
+            "anchor_len": anchor_len,
+            "holds": holds,
+            "hit": runner.cached_tokens("t2"),
+            "tokens": resumed["t2"].generated_tokens,
+            "cold": reference(model, follow, 6),
+            "released": dict(ledger.anchors_released),
+        }
+    finally:
+        runner.stop()
+
+
+async def run_all_forced(runner, prompt, forced) -> list[int]:
+    done = asyncio.Event()
+    out: list[int] = []
+
+    def on_output(result):
+        if result.is_finished():
+            out.extend(result.generated_tokens)
+            done.set()
+
+    runner.submit(
+        "t1", prompt, max_new_tokens=len(forced), sampling=Sampling(forced_tokens=forced), on_output=on_output
+    )
+    await asyncio.wait_for(done.wait(), 120)
+    return out
+
+
+async def test_the_snapshot_at_a_tool_call_opener_is_kept_for_the_next_turn(qwen35):
+    """A turn that emits the tool-call opener pins the snapshot at the opener's page boundary (the
+    rolling snapshot would move on past it) and the finished turn holds it with its KV, so the next
+    turn, which rewrites everything after the opener, resumes there; without the anchor it resumes
+    only from the prompt's last boundary."""
+    model, tok = qwen35
+    anchored = await _tool_turn_then_follow_up(model, tok, ANCHOR)
+    plain = await _tool_turn_then_follow_up(model, tok, None)
+    boundary = anchored["anchor_len"] - anchored["anchor_len"] % PAGE
+    assert anchored["holds"] == [(True, boundary)]  # a state hold, at the opener's boundary
+    assert anchored["hit"] == boundary and anchored["released"]["turn"] == 1
+    assert plain["holds"] == [] and plain["hit"] < boundary
+    assert anchored["tokens"] == anchored["cold"] and plain["tokens"] == plain["cold"]
+
+
+async def test_a_request_cancelled_mid_prefill_gives_its_state_slots_back(qwen35):
+    """Cancelled at any point, a request's live slot, its filling snapshot and its resume lock go."""
+    model, tok = qwen35
+    prompt = chat(tok, "A long prompt to cancel halfway through its prefill, please. " * 3)
+    runner = runner_for(model, max_batch_tokens=PAGE, step_delay_s=0.02)
+    try:
+        finished = asyncio.Event()
+        runner.submit(
+            "c",
+            prompt,
+            max_new_tokens=8,
+            sampling=Sampling(temperature=0.0),
+            on_output=lambda out: out.is_finished() and finished.set(),
+        )
+        deadline = asyncio.get_running_loop().time() + 60
+        while "c" not in hybrid_cache(runner).states.live:
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError("the request never took a state slot")
+            await asyncio.sleep(0.005)
+        runner.cancel("c")
+        while runner.live_requests():
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError("the batch loop kept the cancelled request")
+            await asyncio.sleep(0.01)
+        states = hybrid_cache(runner).states
+        assert not states.live and not states.filling and not states.resuming
+        runner.check_integrity()
+    finally:
+        runner.stop()
+
+
+async def test_kv_pressure_evicts_leaves_with_their_snapshots_and_stays_exact(qwen35):
+    """A KV pool too small for every conversation: radix frees least-recent leaves, each with its
+    snapshot (both pools conserved), and a request that lost its prefix recomputes it exactly."""
+    model, tok = qwen35
+    prompts = [chat(tok, f"pressure conversation {i}, with enough words to fill pages.") for i in range(6)]
+    runner = runner_for(model, kv_pages=14, state_slots=12)
+    try:
+        for i, prompt in enumerate(prompts):
+            await run_all(runner, {f"p{i}": (prompt, 8)})
+            runner.check_integrity()
+        ledger = hybrid_cache(runner).ledger
+        again = await run_all(runner, {"p0-again": (prompts[0], 8)})
+        runner.check_integrity()
+    finally:
+        runner.stop()
+    assert ledger.evictions, "the pool was meant to overflow"
+    assert again["p0-again"].generated_tokens == reference(model, prompts[0], 8)
