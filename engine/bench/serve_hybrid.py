@@ -10,9 +10,9 @@ in one run:
    the first turn (``usage.prompt_tokens_details.cached_tokens`` says how far);
 2. **aggregate throughput** at concurrency 1, 4 and 8 — completion tokens per second of wall
    time through moetray's HTTP API, against transformers' own ``generate`` over a left-padded
-   batch of the same size on the same model (in this process, same thread count, after the
-   server stopped): ``transformers serve`` cannot serve this model (its continuous batching
-   has no linear-attention cache), so ``generate`` is the stock baseline;
+   batch of the same size on the same model (in this process, same thread count, rounds
+   interleaved with moetray's): ``transformers serve`` cannot serve this model (its continuous
+   batching has no linear-attention cache), so ``generate`` is the stock baseline;
 3. **re-split of the state pool** — ``POST /admin/cache/rebuild {"state_slots"}`` growing and
    shrinking the third pool (server ``elapsed_ms``).
 
@@ -94,38 +94,39 @@ def ensure_hybrid_bench_model(path: Path | None = None) -> Path:
     return path
 
 
-def generate_throughput(
-    model_dir: Path, *, batch: int, max_tokens: int, threads: int, rounds: int
-) -> list[dict]:
-    """transformers' own ``generate`` over a left-padded batch of ``batch`` distinct chat prompts."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class GenerateBaseline:
+    """transformers' own ``generate`` over left-padded batches of distinct chat prompts, in this process."""
 
-    torch.set_num_threads(threads)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    runs = []
-    for rnd in range(rounds + 1):  # the first round warms up
+    def __init__(self, model_dir: Path, threads: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.tok.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(self, *, batch: int, max_tokens: int, tag: str) -> dict[str, Any]:
+        """One batch of ``batch`` prompts, ``max_tokens`` new tokens each; tokens per second of wall time."""
+        import torch
+
         texts = [
-            tok.apply_chat_template(
-                [{"role": "user", "content": f"generate-{batch}-{rnd} request {i}: tell me about experts."}],
+            self.tok.apply_chat_template(
+                [{"role": "user", "content": f"{tag} request {i}: tell me about experts, caches and pages."}],
                 add_generation_prompt=True,
                 tokenize=False,
             )
             for i in range(batch)
         ]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(
+            out = self.model.generate(
                 **enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0
             )
         wall = time.perf_counter() - t0
         tokens = (out.shape[1] - enc["input_ids"].shape[1]) * batch
-        if rnd:
-            runs.append({"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "requests": batch})
-    return runs
+        return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "requests": batch}
 
 
 def state_resplits(url: str, slots: int) -> list[dict[str, Any]]:
@@ -177,10 +178,13 @@ def run(args: Any) -> int:
                 mt.url, served_id, tokenizer, prefix_tokens=args.prefix_tokens, rounds=3, tag="hy"
             )
         )
+        baseline = GenerateBaseline(model_dir, args.threads)
+        baseline.run(batch=1, max_tokens=4, tag="warm-up")
         for c in (1, 4, 8):
-            runs = results["throughput"]["moetray"][str(c)] = []
-            for rnd in range(args.rounds):
-                print(f"throughput c={c} round {rnd} moetray…", flush=True)
+            ours = results["throughput"]["moetray"][str(c)] = []
+            theirs = results["throughput"]["transformers generate"][str(c)] = []
+            for rnd in range(args.rounds):  # interleaved: a busy machine slows both alike
+                print(f"throughput c={c} round {rnd}: moetray, then generate…", flush=True)
                 cpu0 = _cpu_seconds(mt)
                 res = asyncio.run(
                     throughput(
@@ -194,7 +198,8 @@ def run(args: Any) -> int:
                     )
                 )
                 res["server_cpu_ms_per_token"] = (_cpu_seconds(mt) - cpu0) / max(1, res["tokens"]) * 1e3
-                runs.append(res)
+                ours.append(res)
+                theirs.append(baseline.run(batch=c, max_tokens=args.max_tokens, tag=f"gen-{c}-{rnd}"))
         status = httpx.get(
             f"{mt.url}/admin/status", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
         ).json()
@@ -204,11 +209,6 @@ def run(args: Any) -> int:
     finally:
         for child in children:
             child.stop()
-    for c in (1, 4, 8):
-        print(f"throughput c={c} transformers generate…", flush=True)
-        results["throughput"]["transformers generate"][str(c)] = generate_throughput(
-            model_dir, batch=c, max_tokens=args.max_tokens, threads=args.threads, rounds=args.rounds
-        )
 
     def med(name: str, c: int) -> float | None:
         runs = results["throughput"][name].get(str(c))
