@@ -12,8 +12,8 @@ generation thread exists):
   layers only (a view of the config listing just them, so its KV blocks are exactly the
   attention layers' pages), with the state allocator (``state.StateAllocator``) beside its
   full-attention allocator. It admits a request only with a state slot for it, matches a prompt
-  only as far as a state snapshot reaches, restores that snapshot into the request's slot,
-  and frees both at the end.
+  only as far as a state snapshot reaches, restores that snapshot into the request's slot
+  (taken at the match), and frees both at the end.
 
 :class:`HybridScheduler` (the radix scheduler plus the recurrent half) plans which state slot
 each scheduled request computes in and where it snapshots (at its deepest page boundary in
@@ -151,9 +151,11 @@ class HybridPagedCache(PagedAttentionCache):
     def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
         """Reuse only as far as a state snapshot reaches: KV blocks alone cannot resume a linear layer.
 
-        The substrate's hash match finds the shared blocks; ``match_state`` truncates them to the
-        deepest snapshot, whose blocks are acquired and whose snapshot is state-locked until the
-        request gets its live slot (``can_store_request_tokens``) and the state is copied there.
+        The substrate's hash match finds the shared blocks; ``match_state`` truncates them to
+        the deepest snapshot. The request takes its live state slot here and the snapshot is
+        copied into it at once (held under a state lock only for that copy, so the slot
+        search cannot evict it); no slot to be had means no reuse this time (the request
+        waits for a slot as any new one does). The match's blocks are then acquired.
         """
         ledger = self.ledger
         if not self.use_prefix_sharing or ledger is None:
@@ -169,9 +171,18 @@ class HybridPagedCache(PagedAttentionCache):
             raise AssertionError(
                 f"radix/ledger divergence on a state match for {request_id}: tree {tree}, hashes {blocks}"
             )
-        allocator.acquire_prefix_blocks(request_id, match.cached_len, blocks)
         ledger.radix.lock_state(match.node)
-        self.states.resuming[request_id] = (match.node, match.state_slot)
+        try:
+            slot = self.take_state_slot()
+            if slot is not None:
+                self.states.pool.copy(match.state_slot, slot)
+        finally:
+            ledger.radix.unlock_state(match.node)
+        if slot is None:
+            return 0
+        self.states.live[request_id] = slot
+        self.states.counters["resumed"] += 1
+        allocator.acquire_prefix_blocks(request_id, match.cached_len, blocks)
         return match.cached_len
 
     def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
@@ -188,24 +199,14 @@ class HybridPagedCache(PagedAttentionCache):
             self.states.pool.give(slot)
             return False
         self.states.live[request_id] = slot
-        resume = self.states.resuming.pop(request_id, None)
-        if resume is not None:
-            node, snapshot = resume
-            self.states.pool.copy(snapshot, slot)
-            self.states.counters["resumed"] += 1
-            ledger = self.ledger
-            if ledger is not None:
-                ledger.radix.unlock_state(node)
         return True
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         super().free_blocks(request_id, no_cache=no_cache)
-        ledger = self.ledger
-        self.states.release(request_id, ledger.radix if ledger is not None else None)
+        self.states.release(request_id)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
-        ledger = self.ledger
-        self.states.release_all(ledger.radix if ledger is not None else None)
+        self.states.release_all()
         super().free_all_requests(clear_ledgers=clear_ledgers)
 
     # -- the forward's plan and the snapshots' commits -------------------------------------------

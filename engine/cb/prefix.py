@@ -81,6 +81,7 @@ def choose_prefix_policy(requested: str | None, config) -> str:
         )
     return requested
 
+
 class RadixLedger(BlockLedger):
     """The full-attention allocator's ledger, with ``policy.radix`` deciding evictions.
 

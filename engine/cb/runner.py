@@ -134,7 +134,6 @@ class _TappingRouter(OutputRouter):
             super().deliver_batch(to_loop)
 
 
-
 class BatchRunner:
     """One continuous-batching manager over a model, sized to ``kv_pages`` pages.
 
@@ -504,4 +503,3 @@ class BatchRunner:
                 assert ledger.evictable_blocks <= len(cached), (
                     f"tree says {ledger.evictable_blocks} pages evictable, ledger holds {len(cached)} cached"
                 )
-

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import torch
 
 from moetray.engine.cb.prefix import RadixLedger
-from moetray.policy.radix import RadixNode
 from moetray.policy.radix_state import HybridRadixCache
 from moetray.policy.refused import Refused
 
@@ -218,19 +217,18 @@ class Segment:
 class StateAllocator:
     """Which state slot each running request holds, and what the forward in flight does with them.
 
-    ``live``: request → its slot (taken at admission, freed when it ends). ``filling``: request
-    → the snapshot slot its forward fills at the next page boundary (committed to the tree by
-    the scheduler, or rolled forward). ``resuming``: request → the locked snapshot node and
-    slot it will be restored from when it gets its live slot. ``pinned``: request → the
-    boundary at its tool-call opener, whose snapshot is committed as soon as it is filled.
-    ``plan``: the segments of the forward in flight, in batch order.
+    ``live``: request → its slot (taken at admission, or at a prefix match, where a snapshot is
+    copied into it; freed when it ends). ``filling``: request → the snapshot slot its forward
+    fills at the next page boundary (committed to the tree by the scheduler, or rolled
+    forward). ``pinned``: request → the boundary at its tool-call opener, whose snapshot is
+    committed as soon as it is filled. ``plan``: the segments of the forward in flight, in
+    batch order.
     """
 
     pool: StatePool
     page_size: int
     live: dict[str, int] = field(default_factory=dict)
     filling: dict[str, Snapshot] = field(default_factory=dict)
-    resuming: dict[str, tuple[RadixNode, int]] = field(default_factory=dict)
     pinned: dict[str, int] = field(default_factory=dict)
     plan: list[Segment] = field(default_factory=list)
     counters: dict[str, int] = field(
@@ -243,8 +241,8 @@ class StateAllocator:
         """Slots requests hold (live and filling), not counting the tree's snapshots."""
         return list(self.live.values()) + [snap.slot for snap in self.filling.values()]
 
-    def release(self, request_id: str, tree: HybridRadixCache | None) -> None:
-        """The request ended (finished, cancelled, offloaded): its slots return, its resume lock goes."""
+    def release(self, request_id: str) -> None:
+        """The request ended (finished, cancelled, offloaded): its slots return. Idempotent."""
         slot = self.live.pop(request_id, None)
         if slot is not None:
             self.pool.give(slot)
@@ -252,13 +250,10 @@ class StateAllocator:
         if snap is not None:
             self.pool.give(snap.slot)
         self.pinned.pop(request_id, None)
-        resume = self.resuming.pop(request_id, None)
-        if resume is not None and tree is not None:
-            tree.unlock_state(resume[0])
 
-    def release_all(self, tree: HybridRadixCache | None) -> None:
-        for request_id in {*self.live, *self.filling, *self.resuming, *self.pinned}:
-            self.release(request_id, tree)
+    def release_all(self) -> None:
+        for request_id in {*self.live, *self.filling, *self.pinned}:
+            self.release(request_id)
         self.plan = []
 
 
@@ -302,7 +297,7 @@ class HybridLedger(RadixLedger):
 
     def check_states(self, allocator: StateAllocator) -> None:
         """Raise ``AssertionError`` unless every state slot is in exactly one place: free, held by a
-        request, or a snapshot in the tree; and every resume lock names a live snapshot."""
+        request, or a snapshot in the tree."""
         pool = self.state_pool
         held = allocator.held_slots()
         tree = list(self.radix.snapshot_slots())
@@ -312,5 +307,3 @@ class HybridLedger(RadixLedger):
         assert free == len(places), (
             f"state pool: {pool.free_count} free + {len(places)} held != {pool.capacity}"
         )
-        for node, slot in allocator.resuming.values():
-            assert self.radix.state_of(node) == slot, f"a resume lock lost its snapshot {slot}"

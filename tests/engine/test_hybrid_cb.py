@@ -420,7 +420,7 @@ async def test_a_request_cancelled_mid_prefill_gives_its_state_slots_back(qwen35
                 raise TimeoutError("the batch loop kept the cancelled request")
             await asyncio.sleep(0.01)
         states = hybrid_cache(runner).states
-        assert not states.live and not states.filling and not states.resuming
+        assert not states.live and not states.filling
         runner.check_integrity()
     finally:
         runner.stop()
@@ -443,3 +443,23 @@ async def test_kv_pressure_evicts_leaves_with_their_snapshots_and_stays_exact(qw
         runner.stop()
     assert ledger.evictions, "the pool was meant to overflow"
     assert again["p0-again"].generated_tokens == reference(model, prompts[0], 8)
+
+
+async def test_concurrent_resumes_on_a_minimal_state_pool_neither_deadlock_nor_drift(qwen35):
+    """Two slots, four follow-up turns matching snapshots at once: a resuming request takes its live
+    slot at the match (or does not resume), so no request can wait on a slot a snapshot it locked
+    holds; all four finish with the tokens of a cold run."""
+    model, tok = qwen35
+    firsts = [chat(tok, f"conversation {i} about pages and slots") for i in range(4)]
+    runner = runner_for(model, state_slots=2)
+    try:
+        replies = {}
+        for i, first in enumerate(firsts):
+            replies[i] = (await run_all(runner, {f"f{i}": (first, 6)}))[f"f{i}"].generated_tokens
+        follows = {f"g{i}": firsts[i] + replies[i] + chat(tok, "go on") for i in range(4)}
+        finals = await run_all(runner, {rid: (prompt, 6) for rid, prompt in follows.items()})
+        runner.check_integrity()
+    finally:
+        runner.stop()
+    for rid, prompt in follows.items():
+        assert finals[rid].generated_tokens == reference(model, prompt, 6)
