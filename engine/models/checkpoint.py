@@ -91,8 +91,9 @@ def _refuse_unservable_layers(config) -> None:
 
 def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     """Reads a checkpoint folder's config and sidecar; loads no weights. Raises ``CheckpointError``
-    (``not_a_checkpoint``, ``unreadable_config``, ``quantized_checkpoint``, ``unsupported_layers``:
-    a layer type the engine cannot serve, such as another family's recurrent blocks, ``not_moe``)."""
+    (``not_a_checkpoint``, ``unreadable_config``, ``quantized_checkpoint``, ``not_moe``,
+    ``unsupported_layers``: a layer type the engine cannot serve, such as another family's
+    recurrent blocks)."""
     from transformers import AutoConfig
 
     root = Path(path).expanduser().resolve()
@@ -103,12 +104,12 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     except Exception as exc:
         raise CheckpointError("unreadable_config", f"{root}/config.json: {exc}") from exc
     _refuse_quantized(config)
-    _refuse_unservable_layers(config)
     text = config.get_text_config()
     num_experts = _first_int(text, "num_experts", "num_local_experts", "n_routed_experts")
     top_k = _first_int(text, "num_experts_per_tok", "moe_topk", "top_k")
     if num_experts is None or top_k is None:
         raise CheckpointError("not_moe", f"{root} is not a mixture-of-experts checkpoint (no expert count)")
+    _refuse_unservable_layers(config)
     inter = _first_int(text, "moe_intermediate_size", "intermediate_size")
     sidecar: dict[str, Any] = {}
     if (root / SIDECAR).is_file():
