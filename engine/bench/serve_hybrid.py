@@ -10,9 +10,10 @@ in one run:
    the first turn (``usage.prompt_tokens_details.cached_tokens`` says how far);
 2. **aggregate throughput** at concurrency 1, 4 and 8 — completion tokens per second of wall
    time through moetray's HTTP API, against transformers' own ``generate`` over a left-padded
-   batch of the same size on the same model (in this process, same thread count, rounds
-   interleaved with moetray's): ``transformers serve`` cannot serve this model (its continuous
-   batching has no linear-attention cache), so ``generate`` is the stock baseline;
+   batch of the same size on the same model (in a child process with the server's thread count
+   and environment, rounds interleaved with moetray's): ``transformers serve`` cannot serve this
+   model (its continuous batching has no linear-attention cache), so ``generate`` is the stock
+   baseline;
 3. **re-split of the state pool** — ``POST /admin/cache/rebuild {"state_slots"}`` growing and
    shrinking the third pool (server ``elapsed_ms``).
 
@@ -24,7 +25,12 @@ Every request runs exactly ``--max-tokens`` tokens (``ignore_eos`` over HTTP,
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +43,7 @@ from moetray.engine.bench.serve import (
     GIB,
     Child,
     _cpu_seconds,
+    _env,
     cold_vs_followup,
     start_moetray,
     throughput,
@@ -95,7 +102,7 @@ def ensure_hybrid_bench_model(path: Path | None = None) -> Path:
 
 
 class GenerateBaseline:
-    """transformers' own ``generate`` over left-padded batches of distinct chat prompts, in this process."""
+    """transformers' own ``generate`` over left-padded batches of distinct chat prompts."""
 
     def __init__(self, model_dir: Path, threads: int) -> None:
         import torch
@@ -127,6 +134,58 @@ class GenerateBaseline:
         wall = time.perf_counter() - t0
         tokens = (out.shape[1] - enc["input_ids"].shape[1]) * batch
         return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "requests": batch}
+
+
+class GenerateChild:
+    """A :class:`GenerateBaseline` in its own process, with the server's environment (threads,
+    passive OpenMP waits: spinning workers on a shared machine would slow it for no reason of its
+    own); one JSON job per line in, one JSON result per line out."""
+
+    def __init__(self, model_dir: Path, threads: int, log: Path) -> None:
+        env = {**_env(threads), "OMP_WAIT_POLICY": "PASSIVE"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "moetray.engine.bench.serve_hybrid",
+            "--generate-worker",
+            str(model_dir),
+            str(threads),
+        ]
+        self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+
+    def run(self, **job: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the generate worker exited; see {self._log.name}")
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+def _generate_worker(model_dir: str, threads: str) -> int:
+    baseline = GenerateBaseline(Path(model_dir), int(threads))
+    for line in sys.stdin:
+        print(json.dumps(baseline.run(**json.loads(line))), flush=True)
+    return 0
 
 
 def state_resplits(url: str, slots: int) -> list[dict[str, Any]]:
@@ -166,7 +225,7 @@ def run(args: Any) -> int:
         threads=args.threads, logdir=logdir, page=args.page_size, batch_tokens=args.max_batch_tokens
     )
     results: dict[str, Any] = {"throughput": {"moetray": {}, "transformers generate": {}}, "ttft": {}}
-    children: list[Child] = []
+    children: list[Child | GenerateChild] = []
     try:
         print("starting moetray serve…", flush=True)
         mt = start_moetray(model_dir, kv_tokens=args.kv_tokens, budget=4 * GIB, prefix="radix", **common)
@@ -178,7 +237,8 @@ def run(args: Any) -> int:
                 mt.url, served_id, tokenizer, prefix_tokens=args.prefix_tokens, rounds=3, tag="hy"
             )
         )
-        baseline = GenerateBaseline(model_dir, args.threads)
+        baseline = GenerateChild(model_dir, args.threads, logdir / "generate.log")
+        children.append(baseline)
         baseline.run(batch=1, max_tokens=4, tag="warm-up")
         for c in (1, 4, 8):
             ours = results["throughput"]["moetray"][str(c)] = []
@@ -245,7 +305,7 @@ def run(args: Any) -> int:
     notes = [
         f"Goals: {goals} (follow-up speed-up {speedup:.3g}).",
         "A: moetray serve over HTTP (radix prefix cache with state snapshots, experts offloaded at its "
-        "planned capacity). B: transformers' generate in-process on a left-padded batch of the same size, "
+        "planned capacity). B: transformers' generate in a child process (same threads and environment) on a left-padded batch of the same size, "
         "every expert resident; transformers serve cannot serve a linear-attention model. Every request "
         "generates exactly max_tokens tokens on both sides. Random weights: the work per token is real.",
     ]
@@ -265,3 +325,8 @@ def run(args: Any) -> int:
     for row in rows:
         print(" | ".join("—" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v)) for v in row))
     return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--generate-worker"]:
+        sys.exit(_generate_worker(*sys.argv[2:4]))
