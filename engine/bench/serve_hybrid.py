@@ -306,8 +306,9 @@ def run(args: Any) -> int:
         f"Goals: {goals} (follow-up speed-up {speedup:.3g}).",
         "A: moetray serve over HTTP (radix prefix cache with state snapshots, experts offloaded at its "
         "planned capacity). B: transformers' generate in a child process (same threads and environment) "
-        "on a left-padded batch of the same size, every expert resident; transformers serve cannot serve a linear-attention model. Every request "
-        "generates exactly max_tokens tokens on both sides. Random weights: the work per token is real.",
+        "on a left-padded batch of the same size, every expert resident; transformers serve cannot serve "
+        "a linear-attention model. Every request generates exactly max_tokens tokens on both sides. "
+        "Random weights: the work per token is real.",
     ]
     results["goals"] = goals
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
