@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from moetray.policy.refused import Refused
+
 __all__ = [
     "DEFAULT_KV_RESERVE_TOKENS",
     "DEFAULT_MEMORY_RATIO",
@@ -51,7 +53,6 @@ __all__ = [
     "RebuildRequest",
     "budget_from_free_memory",
     "fraction_of",
-    "gib",
     "plan_budget",
     "presets",
     "project",
@@ -123,14 +124,15 @@ class RebuildRequest(NamedTuple):
         return frozenset(name for name, size in zip(POOLS, named, strict=True) if size is not None)
 
 
-class RebuildRejected(Exception):
+class RebuildRejected(Refused):
     """A re-split refused by arithmetic before anything was freed; the engine is untouched.
 
     ``.kind`` is ``busy`` (requests are running), ``below_floor`` (``.pool`` is ``"moe"``,
     ``"kv"`` or ``"state"``, with ``.requested`` and ``.floor``), ``no_such_pool``
-    (``.pool``: the model has no expert or no state pool) or ``too_large``
-    (``.needed_bytes`` and ``.budget_bytes``, the net budget left for the pools, and the
-    rejected ``.sizes``).
+    (``.pool``: the model has no expert or no state pool) or ``too_large`` (more slots than
+    the model has experts: ``.pool`` and ``.requested``; or more bytes than the budget:
+    ``.needed_bytes`` and ``.budget_bytes``, the net budget left for the pools, and the
+    rejected ``.sizes``). Attributes not given are ``None``.
     """
 
     KINDS = ("busy", "below_floor", "no_such_pool", "too_large")
@@ -147,18 +149,19 @@ class RebuildRejected(Exception):
         budget_bytes: int | None = None,
         sizes: PoolSizes | None = None,
     ) -> None:
-        assert kind in self.KINDS, kind
-        self.kind = kind
-        self.pool = pool
-        self.requested = requested
-        self.floor = floor
-        self.needed_bytes = needed_bytes
-        self.budget_bytes = budget_bytes
-        self.sizes = sizes
-        super().__init__(message)
+        super().__init__(
+            kind,
+            message,
+            pool=pool,
+            requested=requested,
+            floor=floor,
+            needed_bytes=needed_bytes,
+            budget_bytes=budget_bytes,
+            sizes=sizes,
+        )
 
 
-class BudgetTooSmall(Exception):
+class BudgetTooSmall(Refused):
     """Even every pool at its floor exceeds the budget: there is no split to plan or offer.
 
     ``.kind`` is ``too_large``; ``.needed_bytes`` is what the floors cost and
@@ -168,12 +171,12 @@ class BudgetTooSmall(Exception):
     KINDS = ("too_large",)
 
     def __init__(self, needed_bytes: int, budget_bytes: int) -> None:
-        self.kind = "too_large"
-        self.needed_bytes = needed_bytes
-        self.budget_bytes = budget_bytes
         super().__init__(
+            "too_large",
             f"memory budget too small: the smallest pools need {needed_bytes} bytes, "
-            f"{budget_bytes} are available"
+            f"{budget_bytes} are available",
+            needed_bytes=needed_bytes,
+            budget_bytes=budget_bytes,
         )
 
 
@@ -318,6 +321,7 @@ def validate_rebuild(
     bytes_per_page: int,
     bytes_per_state_slot: int = 0,
     fixed_bytes: int = 0,
+    max_moe_slots: int | None = None,
 ) -> PoolSizes:
     """Decides whether a live re-split fits, before anything is freed; returns the target sizes.
 
@@ -326,8 +330,10 @@ def validate_rebuild(
     ``idle``), ``below_floor`` (MoE, then KV, whose floor is at least ``MIN_KV_PAGES``),
     ``no_such_pool`` (MoE named on a model without an expert pool, then state named on a
     model without a state pool), ``below_floor`` (state, at least ``MIN_STATE_SLOTS``),
-    ``too_large`` (the target costs more than ``budget_bytes − fixed_bytes``, signed: an
-    over-committed budget rejects every size).
+    ``too_large`` (more expert slots than ``max_moe_slots``, when given, or the MoE floor if
+    larger, as in ``slider_limits``: the model has no more experts to hold; then a target
+    costing more than ``budget_bytes − fixed_bytes``, signed: an over-committed budget
+    rejects every size).
     """
     costs = _costs(bytes_per_slot, bytes_per_page, bytes_per_state_slot, floors)
     if not idle:
@@ -351,6 +357,14 @@ def validate_rebuild(
             )
         if request.state_slots < _state_floor(floors):
             raise _below_floor("state", request.state_slots, _state_floor(floors))
+    cap = None if max_moe_slots is None else max(max_moe_slots, floors.moe_slots or 0)  # as slider_limits
+    if cap is not None and request.moe_slots is not None and request.moe_slots > cap:
+        raise RebuildRejected(
+            "too_large",
+            f"moe_slots {request.moe_slots} exceeds the {cap} experts this model has",
+            pool="moe",
+            requested=request.moe_slots,
+        )
     target = PoolSizes(
         current.moe_slots if request.moe_slots is None else request.moe_slots,
         current.kv_pages if request.kv_pages is None else request.kv_pages,
@@ -551,11 +565,6 @@ def project(
     )
 
 
-def gib(n_bytes: int | None) -> float | None:
-    """Bytes in GiB for display; ``None`` stays ``None`` (unknown is never 0)."""
-    return None if n_bytes is None else n_bytes / 2**30
-
-
 # --- one bundle of numbers ------------------------------------------------------------------
 
 
@@ -604,8 +613,10 @@ class PoolBudget:
         return UnitCosts(self.bytes_per_slot, self.bytes_per_page, self.bytes_per_state_slot).needed(sizes)
 
     def validate(self, request: RebuildRequest, current: PoolSizes, *, idle: bool) -> PoolSizes:
-        """``validate_rebuild`` with this budget's numbers."""
-        return validate_rebuild(request, current, self.floors, idle=idle, **self._costs())
+        """``validate_rebuild`` with this budget's numbers, its expert cap included."""
+        return validate_rebuild(
+            request, current, self.floors, idle=idle, max_moe_slots=self.max_moe_slots, **self._costs()
+        )
 
     def limits(self) -> PoolLimits:
         """``slider_limits`` with this budget's numbers."""
@@ -615,15 +626,39 @@ class PoolBudget:
         self,
         reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS,
         reserve_state_slots: int = DEFAULT_STATE_RESERVE_SLOTS,
+        pinned: RebuildRequest | None = None,
     ) -> PoolSizes:
-        """``plan_budget`` with a KV reserve given in tokens and a state reserve in slots."""
-        return plan_budget(
+        """Decides the start-up split: ``plan_budget`` with a KV reserve in tokens, a state reserve in slots.
+
+        A pool ``pinned`` (the user named its size) keeps that size; a pinned state pool
+        replaces the state reserve. Of experts and KV, the one not pinned takes what the
+        budget leaves beside the others, within its floor and (experts) the cap of every
+        expert. Pinned expert slots beyond the cap are capped. The result is checked like a
+        re-split against the plan. Mutates nothing. Refuses with ``BudgetTooSmall`` when the
+        floors do not fit and with ``RebuildRejected`` when the pinned split does not.
+        """
+        if pinned is not None and pinned.state_slots is not None:
+            reserve_state_slots = pinned.state_slots
+        planned = plan_budget(
             self.floors,
             max_moe_slots=self.max_moe_slots,
             reserve_pages=reserve_pages(reserve_tokens, self.page_size),
             reserve_state_slots=reserve_state_slots,
             **self._costs(),
         )
+        if pinned is None or pinned.is_empty():
+            return planned
+        moe, kv, state = pinned
+        net = self.net_bytes - planned.state_slots * self.bytes_per_state_slot
+        if kv is None and moe is not None:
+            room = (net - moe * self.bytes_per_slot) // self.bytes_per_page
+            kv = max(room, self.floors.kv_pages)
+        elif moe is None and kv is not None and self.floors.moe_slots is not None:
+            room = (net - kv * self.bytes_per_page) // self.bytes_per_slot
+            moe = max(min(room, self.max_moe_slots), self.floors.moe_slots)
+        if moe is not None:
+            moe = min(moe, self.max_moe_slots)
+        return self.validate(RebuildRequest(moe, kv, state), planned, idle=True)
 
     def split_at(self, fraction: float, state_slots: int | None = None) -> PoolSizes:
         """``split_at`` within this budget's limits, the state pool at ``state_slots``."""
@@ -656,11 +691,17 @@ class PoolBudget:
         kv_pages_used: int | None,
         kv_pages_evictable: int | None,
         state_slots_used: int | None = None,
+        live_moe_bytes: int | None = None,
+        live_kv_bytes: int | None = None,
+        live_state_bytes: int | None = None,
     ) -> dict[str, object]:
         """The snapshot's ``pools`` object (``policy.wire.PoolInfo``) for ``current`` sizes.
 
-        A model without a state pool reports ``state_slots: 0``, a 0 floor and a 0 range
-        (the pool's absence, not an unknown); ``state_slots_used`` is then 0 as well.
+        ``kv_pages_used`` / ``kv_pages_evictable``, ``state_slots_used`` and the bytes each
+        live pool holds (``live_*_bytes``, measured, not priced) come from the caller; unknown
+        is ``None``. A model without a state pool reports ``state_slots: 0``, a 0 floor and a 0
+        range (the pool's absence, not an unknown); ``state_slots_used`` and its live bytes
+        are then 0 as well.
         """
         floors = self.floors
         try:
@@ -687,6 +728,11 @@ class PoolBudget:
             "kv_pages_used": kv_pages_used,
             "kv_pages_evictable": kv_pages_evictable,
             "state_slots_used": state_slots_used if self.has_state_pool else 0,
+            "live_bytes": {
+                "moe_slots": live_moe_bytes,
+                "kv_pages": live_kv_bytes,
+                "state_slots": live_state_bytes if self.has_state_pool else 0,
+            },
         }
 
     @classmethod

@@ -14,7 +14,6 @@ state pool beside the KV pool (``state``, ``hybrid``) and its linear layers rout
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -149,7 +148,6 @@ class BatchRunner:
         self.manager: ContinuousBatchingManager | None = None
         self._cached_tokens: dict[str, int] = {}
         self._handlers: dict[str, Handler] = {}
-        self._lock = threading.Lock()
         self.steps = 0  # batch steps taken: the loop's heartbeat
         self.last_step_at: float | None = None  # time.monotonic() of the latest step
 

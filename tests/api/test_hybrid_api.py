@@ -72,7 +72,7 @@ def test_single_and_concurrent_completions_equal_generate(hybrid_engine, stock):
         got = list(pool.map(lambda p: complete(hybrid_engine.url, p)["choices"][0]["text"], prompts))
     assert got == want
     hybrid_engine.wait_idle()
-    hybrid_engine.engine.runner.check_integrity()
+    hybrid_engine.engine.pools.runner.check_integrity()
 
 
 def test_a_follow_up_turn_is_served_from_a_snapshot_and_equals_a_cold_run(hybrid_engine, stock):
@@ -94,7 +94,7 @@ def test_a_follow_up_turn_is_served_from_a_snapshot_and_equals_a_cold_run(hybrid
 def test_status_reports_the_state_pool(hybrid_engine):
     """The dashboard's third pool: size, use, unit cost, floor and range, from the engine's pricing."""
     pools = hybrid_engine.wait_idle()["pools"]
-    runner = hybrid_engine.engine.runner
+    runner = hybrid_engine.engine.pools.runner
     assert pools["state_slots"] == runner.state_slots > 0
     assert pools["state_slots_used"] == 0  # idle: no live slot, every snapshot evictable
     assert pools["bytes_per_state_slot"] > 0 and pools["floors"]["state_slots"] == 2
@@ -125,7 +125,7 @@ def test_a_three_pool_resplit_applies_and_tokens_stay_identical(hybrid_engine, s
     assert (after["state_slots"], after["moe_slots"]) == (target["state_slots"], target["moe_slots"])
     assert complete(hybrid_engine.url, prompt)["choices"][0]["text"] == want
     hybrid_engine.wait_idle()
-    hybrid_engine.engine.runner.check_integrity()
+    hybrid_engine.engine.pools.runner.check_integrity()
 
 
 def test_a_state_pool_below_its_floor_is_refused_by_name(hybrid_engine):
@@ -162,7 +162,7 @@ def test_qwen3_next_with_a_quarter_of_the_experts_resident(tiny_moe, start_engin
     prompts = [ids(tok, f"Quarter capacity {i}: experts stream over the link.") for i in range(2)]
     for prompt in prompts:
         assert complete(engine.url, prompt)["choices"][0]["text"] == tok.decode(greedy(model, prompt))
-    runtime = engine.engine.loaded.runtime
+    runtime = engine.engine.pools.runtime
     assert runtime.capacity == LAYERS * 8 // 4 and runtime.cache.stats().misses > runtime.capacity
 
 
