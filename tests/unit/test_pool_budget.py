@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -269,6 +271,38 @@ def test_a_pinned_split_that_does_not_fit_is_refused_like_a_rebuild(pinned):
     with pytest.raises(RebuildRejected) as refusal:
         PINNABLE.plan(0, pinned=pinned)
     assert refusal.value.kind in ("too_large", "below_floor")
+
+
+HYBRID_PINNABLE = dataclasses.replace(PINNABLE, floors=PoolFloors(4, 3, 2), bytes_per_state_slot=50)
+
+
+@pytest.mark.parametrize(
+    ("pinned", "expected"),
+    [
+        (None, PoolSizes(40, 560, 8)),  # the default state reserve comes off the top
+        (RebuildRequest(state_slots=20), PoolSizes(40, 500, 20)),  # a pinned state pool replaces it
+        (RebuildRequest(kv_pages=500), PoolSizes(40, 500, 8)),
+        (RebuildRequest(moe_slots=20, state_slots=10), PoolSizes(20, 750, 10)),  # KV takes the rest
+        (RebuildRequest(kv_pages=900, state_slots=2), PoolSizes(9, 900, 2)),  # experts take the rest
+    ],
+)
+def test_plan_keeps_a_pinned_state_pool_and_fits_the_others_around_it(pinned, expected):
+    """``--state-slots`` pins the third pool; experts and KV share what it leaves."""
+    assert HYBRID_PINNABLE.plan(0, pinned=pinned) == expected
+
+
+@pytest.mark.parametrize(
+    ("budget", "pinned", "kind"),
+    [
+        (HYBRID_PINNABLE, RebuildRequest(state_slots=1), "below_floor"),
+        (HYBRID_PINNABLE, RebuildRequest(state_slots=1000), "too_large"),
+        (PINNABLE, RebuildRequest(state_slots=4), "no_such_pool"),  # no linear-attention layers
+    ],
+)
+def test_a_pinned_state_pool_that_cannot_be_served_is_refused_by_name(budget, pinned, kind):
+    with pytest.raises(RebuildRejected) as refusal:
+        budget.plan(0, pinned=pinned)
+    assert refusal.value.kind == kind
 
 
 def test_reserve_pages_rounds_up():
@@ -576,6 +610,7 @@ def test_a_model_without_a_state_pool_says_zero_not_unknown():
     )
     wire = engine.to_wire(CURRENT, kv_pages_used=None, kv_pages_evictable=None, state_slots_used=None)
     assert (wire["state_slots"], wire["state_slots_used"], wire["floors"]["state_slots"]) == (0, 0, 0)
+    assert wire["live_bytes"]["state_slots"] == 0 and wire["live_bytes"]["kv_pages"] is None
     assert not PoolBudget.from_wire(wire).has_state_pool
     older = {k: v for k, v in wire.items() if "state" not in k}
     older["floors"] = {"moe_slots": 8, "kv_pages": 16}
