@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 MOE_FAMILIES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}
 LATER_FAMILIES = {
-    "qwen35moe": "Qwen3.5/3.6-MoE (hybrid recurrent layers) is served once the hybrid "
-    "recurrent-state pool lands",
+    "qwen35moe": "Qwen3.5/3.6-MoE GGUF files (hybrid recurrent layers) are not mapped yet "
+    "(their Hugging Face checkpoints are served, recurrent state included)",
     "gpt-oss": "gpt-oss GGUF files are not mapped yet (its Hugging Face MXFP4 checkpoint is)",
 }
 DENSE_FAMILIES = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral", "falcon"}
