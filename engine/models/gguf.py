@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 import struct
 import warnings
 from collections.abc import Callable
@@ -30,14 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetray.engine.models.checkpoint import CheckpointError
+from moetray.engine.models.files import CheckpointError, gguf_files
 from moetray.engine.models.hf import GgufHeader, GgufTensor, read_header
 
-__all__ = ["GgufCheckpoint", "gguf_files", "is_gguf_path", "load_gguf", "load_gguf_tokenizer", "read_gguf"]
+__all__ = ["GgufCheckpoint", "load_gguf", "load_gguf_tokenizer", "read_gguf"]
 
 log = logging.getLogger(__name__)
 
-SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 MOE_FAMILIES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}
 LATER_FAMILIES = {
     "qwen35moe": "Qwen3.5/3.6-MoE GGUF files (hybrid recurrent layers) are not mapped yet "
@@ -46,49 +44,6 @@ LATER_FAMILIES = {
 }
 DENSE_FAMILIES = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral", "falcon"}
 _EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-
-
-def is_gguf_path(path: str | Path) -> bool:
-    """A ``.gguf`` file, a file that starts with the GGUF magic (an Ollama blob has no suffix), or a
-    folder holding one and no ``config.json``."""
-    p = Path(path)
-    if p.suffix == ".gguf":
-        return True
-    if p.is_file():
-        try:
-            with open(p, "rb") as fh:
-                return fh.read(4) == b"GGUF"
-        except OSError:
-            return False
-    return p.is_dir() and not (p / "config.json").is_file() and any(p.glob("*.gguf"))
-
-
-def gguf_files(path: str | Path) -> list[Path]:
-    """The file(s) of the GGUF model at ``path``: the file itself, every part of its split set, or
-    the one model in a folder. Refuses ``not_a_checkpoint`` (nothing there, or a folder with several
-    models) and ``unreadable_checkpoint`` (a part of the split set is missing)."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        found = sorted(q for q in p.glob("*.gguf") if not q.name.startswith("mmproj"))
-        firsts = [q for q in found if not SPLIT_RE.match(q.name) or SPLIT_RE.match(q.name)["no"] == "00001"]
-        if len(firsts) != 1:
-            raise CheckpointError("not_a_checkpoint", f"{p} holds {len(firsts)} GGUF models; name the file")
-        p = firsts[0]
-    if not p.is_file():
-        raise CheckpointError("not_a_checkpoint", f"{p} is not a GGUF file")
-    m = SPLIT_RE.match(p.name)
-    if m is None:
-        return [p]
-    count = int(m["count"])
-    parts = [p.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-    missing = [q.name for q in parts if not q.is_file()]
-    if missing:
-        raise CheckpointError(
-            "unreadable_checkpoint",
-            f"split set {p.name} lacks {', '.join(missing)}",
-            file=str(parts[0].parent / missing[0]),
-        )
-    return parts
 
 
 @dataclass
