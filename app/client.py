@@ -19,21 +19,24 @@ from typing import Any
 import httpx
 
 from moetray.policy import wire
+from moetray.policy.refused import Refused
 
 CLIENT_KINDS = ("unreachable", "timeout", "bad_reply")
 """Refusal kinds the client itself raises (the engine never sends them)."""
 
 
-class EngineError(Exception):
+class EngineError(Refused):
     """A route refused or could not be reached; ``kind`` says which kind of no."""
+
+    message: str
+    status: int | None  # the HTTP status; None when no reply came
+    body: dict[str, Any] | None  # the error body as sent, when there was one
 
     def __init__(self, kind: str, message: str, *, status: int | None = None,
                  body: Mapping[str, Any] | None = None) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-        self.message = message
-        self.status = status
-        self.body = dict(body) if body is not None else None
+        super().__init__(kind, f"{kind}: {message}", status=status,
+                         body=dict(body) if body is not None else None)
+        self.message = message  # without the kind (``str(self)`` carries both)
 
     @property
     def retry(self) -> str:

@@ -213,7 +213,7 @@ class Engine:
 
     def health(self) -> wire.Health:
         busy = lambda: not self.requests.activity().is_idle()  # noqa: E731
-        return health(self.gate.state.value, self.loading, self.served, self._runner(), busy)
+        return health(self.gate.state.wire_name, self.loading, self.served, self._runner(), busy)
 
     def model_info(self) -> dict[str, Any] | None:
         return model_info(self.served, self.pools)
@@ -221,7 +221,7 @@ class Engine:
     def snapshot(self) -> dict[str, Any]:
         """``policy.wire.StatusSnapshot`` (see ``status.snapshot``)."""
         return snapshot(
-            state=self.gate.state.value,
+            state=self.gate.state.wire_name,
             load=self.loading,
             uptime_s=self.uptime_s(),
             served=self.served,

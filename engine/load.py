@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetray.engine.cb import choose_prefix_policy
 from moetray.engine.pools import Pools, RunnerSettings, price_pools
+from moetray.policy import wire
 from moetray.policy.pool_budget import RebuildRequest, reserve_pages
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class LoadState:
     """Where loading stands, for ``/health``: the stage with its progress, and why it failed."""
 
     def __init__(self) -> None:
-        self.progress: dict[str, Any] | None = {"stage": "starting", "done": 0, "total": None}
+        self.progress: wire.LoadProgress | None = {"stage": "starting", "done": 0, "total": None}
         self.error: str | None = None
         self.error_kind: str | None = None  # the refusal's kind when loading was refused by name
 
@@ -118,7 +119,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         policy=opts.expert_policy,
     )
     runtime = loaded.runtime
-    if device.type == "cuda":
+    if baseline_free is not None:  # a CUDA device, measured before the weights went in
         measured = cuda_budget(
             device,
             baseline_free=baseline_free,

@@ -43,7 +43,7 @@ from moetray.engine.gate import Gate
 from moetray.engine.pools import Pools
 from moetray.engine.requests import Requests
 from moetray.policy.pool_budget import PoolSizes, RebuildRejected, RebuildRequest, reserve_pages
-from moetray.policy.rebuild import Applied, RebuildTxn, sizes_body
+from moetray.policy.rebuild import Applied, Latched, RebuildTxn, sizes_body
 from moetray.policy.wire import error_body, refusal_for
 
 log = logging.getLogger("moetray.engine.rebuild")
@@ -83,9 +83,11 @@ async def run_rebuild(
         named = "name at least one of moe_slots, kv_tokens, state_slots"
         return 400, error_body("invalid_request_error", named)
     gate.begin_rebuild()  # RebuildRefused → mapped by the server, nothing changed
+    if pools is None:  # the gate refuses (not_ready) before the pools exist: a bug if reached
+        gate.rebuild_never_dispatched()
+        raise AssertionError("the gate admitted a rebuild before the pools existed")
     dispatched = False
     try:
-        assert pools is not None, "the gate admitted a rebuild before the pools existed"
         page = pools.budget.page_size
         request = _request_from(body, page)
         current = pools.sizes()
@@ -117,8 +119,8 @@ async def run_rebuild(
         result = _settle(gate, pools, txn, outcome, t0)
         if isinstance(outcome, Applied):
             return 200, result
-        message = getattr(outcome, "reason", outcome.outcome)
-        if outcome.outcome == "latched":
+        message = outcome.reason
+        if isinstance(outcome, Latched):
             message = f"{outcome.reason}; rollback failed: {outcome.rollback_error}. Restart the engine."
         return refusal_for(outcome.refusal_kind).status, error_body(outcome.refusal_kind, message, **result)
     except RebuildRejected as exc:

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 from .radix import RadixCache, RadixNode
 from .radix_state import HybridRadixCache
@@ -76,7 +76,7 @@ def _require(ok: bool, field: str, message: str) -> None:
         raise AnchorError(field, message)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

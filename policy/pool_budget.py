@@ -136,6 +136,13 @@ class RebuildRejected(Refused):
     """
 
     KINDS = ("busy", "below_floor", "no_such_pool", "too_large")
+    # Set by ``Refused`` from the keyword arguments below.
+    pool: str | None
+    requested: int | None
+    floor: int | None
+    needed_bytes: int | None
+    budget_bytes: int | None
+    sizes: PoolSizes | None
 
     def __init__(
         self,

@@ -314,6 +314,7 @@ class RadixCache:
         slots = tuple(slots)
         whole = len(ids) - len(ids) % self._page
         full_pages = self._entries(whole)
+        allowed: tuple[int, ...]
         if self._unit == "token":
             allowed = (len(ids),)
         else:

@@ -27,18 +27,20 @@ from PySide6.QtCore import QObject, Signal
 
 from moetray.policy import wire
 from moetray.policy.pool_budget import BudgetTooSmall, PoolBudget, PoolLimits, PoolSizes, Projection
+from moetray.policy.refused import Refused
 from moetray.ui.viewmodels import ApplyOutcome, rebuild_outcome
 
 PRESET_LABELS = {"minimum": "Minimum", "chat": "Chat", "agent": "Agent"}
 
 
-class ApplyRefused(Exception):
+class ApplyRefused(Refused):
     """Apply is not possible now; ``kind`` is ``disabled`` (see ``reason``) or ``unchanged``."""
 
+    KINDS = ("disabled", "unchanged")
+    reason: str
+
     def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind
-        self.reason = reason
+        super().__init__(kind, reason, reason=reason)
 
 
 @dataclass(frozen=True)

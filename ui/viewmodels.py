@@ -247,9 +247,10 @@ class MemoryModel(_Model):
     @property
     def free_bytes(self) -> int | None:
         """Device memory used by nobody, when every term is known."""
-        if None in (self.total_bytes, self.engine_bytes, self.others_bytes):
+        total, engine, others = self.total_bytes, self.engine_bytes, self.others_bytes
+        if total is None or engine is None or others is None:
             return None
-        return max(0, self.total_bytes - self.engine_bytes - self.others_bytes)
+        return max(0, total - engine - others)
 
     def apply_snapshot(self, snap: Mapping[str, Any], t: float) -> bool:
         device = snap.get("device") or {}

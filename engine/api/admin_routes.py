@@ -65,7 +65,7 @@ def build_router(
 
     @router.get("/health")
     async def health() -> dict[str, Any]:
-        return engine.health()
+        return dict(engine.health())
 
     @router.get("/admin/status")
     async def status() -> dict[str, Any]:

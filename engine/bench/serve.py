@@ -80,8 +80,7 @@ def ensure_bench_model(path: Path | None = None) -> Path:
         hidden_size=256,
         num_hidden_layers=4,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        num_key_value_heads=2,  # head_dim: hidden_size / num_attention_heads = 64
         moe_intermediate_size=256,
         intermediate_size=512,
         num_experts=16,
@@ -572,7 +571,8 @@ def main(argv: list[str]) -> int:
         runs = results["throughput"].get(name, {}).get(str(c))
         return statistics.median(r[key] for r in runs) if runs else None
 
-    rows, notes = [], []
+    rows: list[list[Any]] = []  # [label, moetray, stock, ratio]
+    notes: list[str] = []
     for c in (1, 4, 8):
         a, b = med("moetray", c), med("transformers serve", c)
         rows.append([f"aggregate tok/s, concurrency {c}", a, b, (a / b) if a and b else None])

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.generation.continuous_batching import RequestStatus
@@ -91,7 +91,7 @@ class HybridPagedCache(PagedAttentionCache):
                 f"a hybrid's attention layers must all be full attention: {attention_groups(config)}"
             )
         super().__init__(
-            _AttentionLayersView(config, layers),
+            cast(Any, _AttentionLayersView(config, layers)),  # the config, its attention layers only
             continuous_batching_config,
             device,
             distributed_helper,
@@ -319,12 +319,13 @@ def hybrid_substrate(geometry: StateGeometry, state_slots: int) -> Iterator[None
     :class:`HybridPagedCache` with ``state_slots`` state slots. Restores both names on exit."""
     real_groups = _initialization.group_layers_by_attn_type
     real_cache = _continuous_api.PagedAttentionCache
-    _initialization.group_layers_by_attn_type = attention_groups
-    _continuous_api.PagedAttentionCache = partial(
+    # The substrate's two names are swapped on purpose (mypy sees a function and a class replaced).
+    _initialization.group_layers_by_attn_type = attention_groups  # type: ignore[assignment]
+    _continuous_api.PagedAttentionCache = partial(  # type: ignore[misc, assignment]
         HybridPagedCache, geometry=geometry, state_slots=state_slots
     )
     try:
         yield
     finally:
         _initialization.group_layers_by_attn_type = real_groups
-        _continuous_api.PagedAttentionCache = real_cache
+        _continuous_api.PagedAttentionCache = real_cache  # type: ignore[misc]

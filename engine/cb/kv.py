@@ -103,7 +103,7 @@ def lazily_zeroed_cpu_cache(device: torch.device) -> Iterator[None]:
                 return real.frombuffer(mmap.mmap(-1, size), dtype=real.uint8)
             return real.zeros(size, dtype=dtype, device=device)
 
-    cache_module.torch = _ZeroMappedTorch()
+    cache_module.torch = _ZeroMappedTorch()  # type: ignore[assignment]  # the substrate's module, patched for this block
     try:
         yield
     finally:

@@ -28,6 +28,8 @@ from moetray.policy.radix import RadixCache
 from moetray.policy.refused import Refused
 
 if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
     from moetray.engine.cb.runner import BatchRunner
 
 RADIX_SCHEDULER = "moetray_radix"
@@ -200,7 +202,9 @@ class RadixScheduler(FIFOScheduler):
 
     hooks: SchedulerHooks | None = None  # set by BatchRunner before the loop starts
 
-    def __init__(self, cache, safety_margin, max_requests_per_batch):
+    def __init__(
+        self, cache: PagedAttentionCache, safety_margin: float | None, max_requests_per_batch: int
+    ) -> None:
         super().__init__(cache, safety_margin, max_requests_per_batch)
         self._tracked: dict[str, _Tracked] = {}
 

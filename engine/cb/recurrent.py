@@ -28,7 +28,7 @@ are installed; the torch fallback otherwise.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +108,7 @@ def _hybrid_forward(
     if states is None:  # generate, or any cache that is not the hybrid paged cache
         return stock(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     pool: StatePool = states.pool
-    layer: int = module.layer_idx
+    layer = cast(int, module.layer_idx)
     device = hidden_states.device
     out = torch.empty_like(hidden_states)
     starts = []
@@ -159,8 +159,8 @@ def linear_attention_modules(model: torch.nn.Module, geometry: StateGeometry) ->
     Refuses ``unsupported_layers`` when the modules do not match the config's linear layers or
     the geometry the state pool is sized from (a family whose layer keeps other states).
     """
-    found = {
-        module.layer_idx: module
+    found: dict[int, Any] = {
+        cast(int, module.layer_idx): module
         for module in model.modules()
         if type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "conv_dim")
     }

@@ -98,6 +98,13 @@ class RunnerConfig:
 Handler = Callable[[GenerationOutput], None]
 
 
+def _router(manager: ContinuousBatchingManager) -> _TappingRouter:
+    """The manager's output router: the runner installs a ``_TappingRouter`` before the loop starts."""
+    router = manager.output_router
+    assert isinstance(router, _TappingRouter), type(router).__name__
+    return router
+
+
 class _TappingRouter(OutputRouter):
     """The substrate's output router, plus taps that keep intermediate outputs off the event loop.
 
@@ -286,7 +293,7 @@ class BatchRunner:
         self._handlers[request_id] = on_output
         manager.register_result_handler(request_id, deliver)
         if on_progress is not None:
-            router = manager.output_router
+            router = _router(manager)
             with router._lock:  # noqa: SLF001 - the lock every router table change takes
                 router.taps[request_id] = on_progress
         added = manager.add_request(
@@ -317,22 +324,24 @@ class BatchRunner:
         self._handlers.pop(request_id, None)
         manager = self.manager
         if manager is not None:
-            with manager.output_router._lock:  # noqa: SLF001 - the router has no public unregister
-                manager.output_router.result_handlers.pop(request_id, None)
-                manager.output_router.taps.pop(request_id, None)
+            router = _router(manager)
+            with router._lock:  # noqa: SLF001 - the router has no public unregister
+                router.result_handlers.pop(request_id, None)
+                router.taps.pop(request_id, None)
 
     def _drop_tap(self, request_id: str) -> None:
         manager = self.manager
         if manager is not None:
-            with manager.output_router._lock:  # noqa: SLF001 - the router has no public unregister
-                manager.output_router.taps.pop(request_id, None)
+            router = _router(manager)
+            with router._lock:  # noqa: SLF001 - the router has no public unregister
+                router.taps.pop(request_id, None)
 
     def routing_counts(self) -> tuple[int, int] | None:
         """(outputs handed to the event loop, outputs tapped on the generation thread); None when stopped."""
         manager = self.manager
         if manager is None:
             return None
-        router = manager.output_router
+        router = _router(manager)
         return router.loop_outputs, router.tapped_outputs
 
     def sampling_steps(self) -> tuple[int, int] | None:
@@ -341,6 +350,7 @@ class BatchRunner:
         if manager is None:
             return None
         plist = manager.logit_processor
+        assert isinstance(plist, SamplingProcessors), "the runner installs its processors at start"
         return plist.steps_processed, plist.steps_skipped
 
     def cached_tokens(self, request_id: str) -> int:
@@ -474,6 +484,7 @@ class BatchRunner:
                 return
             allocator = next(iter(processor.cache.cache_allocators.values()))
             stats = self.kv_stats()
+            assert stats is not None  # the batch processor exists (checked above)
             owned = {b for table in allocator.block_table.values() for b in table}
             cached = set(allocator.ledger.cached_blocks)
             assert not (owned & cached), f"blocks both owned and cached: {sorted(owned & cached)}"

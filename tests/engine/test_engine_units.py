@@ -176,16 +176,10 @@ def test_the_draw_processor_without_sampled_rows_takes_the_argmax_path():
 
 # --- refusals ------------------------------------------------------------------------------------
 
-KIND_SETTERS_PENDING = {
-    "moetray.policy.parser.ParserRefused",  # policy/parser.py is being split into a package
-    "moetray.engine.experts.runtime.ResizeFault",  # engine/experts/runtime.py is being split
-}
-"""Exception classes that still set their own ``.kind``: their modules are mid-split elsewhere."""
-
-
 def test_every_refusal_takes_its_kind_from_refused():
     """One shape for every refusal (``policy.refused.Refused``): a class that sets ``.kind`` by hand
-    can skip the ``KINDS`` check and the ``fields`` the error bodies carry."""
+    can skip the ``KINDS`` check and the ``fields`` the error bodies carry. (The static twin,
+    tests/unit/test_refusal_kinds.py, also reads app/ and ui/ and class-level ``kind = …``.)"""
     import importlib
     import inspect
     import pkgutil
@@ -203,9 +197,7 @@ def test_every_refusal_takes_its_kind_from_refused():
                     continue
                 name = f"{module.__name__}.{cls.__name__}"
                 source = inspect.getsource(cls)
-                if ("self.kind =" in source or "self.kind:" in source or cls.__dict__.get("KINDS")) and (
-                    name not in KIND_SETTERS_PENDING
-                ):
+                if "self.kind =" in source or "self.kind:" in source or cls.__dict__.get("KINDS"):
                     own_kind.append((name, issubclass(cls, Refused), "self.kind" in source))
     assert own_kind  # the walk itself must find refusals
     assert [row for row in own_kind if not row[1] or row[2]] == []
