@@ -61,6 +61,7 @@ class EngineOptions:
     dtype: str = "auto"
     moe_capacity: int | None = None  # expert slots; None: planned from the budget
     kv_tokens: int | None = None  # None: planned from the budget
+    state_slots: int | None = None  # recurrent-state slots (hybrid models); None: planned from the budget
     budget_bytes: int | None = None  # CPU: the device tier's budget; CUDA: overrides the measurement
     memory_ratio: float = DEFAULT_MEMORY_RATIO
     kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS

@@ -244,17 +244,28 @@ def start_transformers(
 # --- load generation --------------------------------------------------------------------------
 
 
-async def _chat(client: httpx.AsyncClient, url: str, model: str, messages, max_tokens: int) -> dict[str, Any]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+async def _chat(
+    client: httpx.AsyncClient, url: str, model: str, messages, max_tokens: int, extra: dict | None = None
+) -> dict[str, Any]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **(extra or {})}
     r = await client.post(f"{url}/v1/chat/completions", json=body)
     r.raise_for_status()
     return r.json()
 
 
 async def throughput(
-    url: str, model: str, *, concurrency: int, requests: int, max_tokens: int, tag: str
+    url: str,
+    model: str,
+    *,
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    tag: str,
+    extra: dict | None = None,
 ) -> dict[str, Any]:
-    """Completion tokens per second for ``requests`` distinct prompts, ``concurrency`` at a time."""
+    """Completion tokens per second for ``requests`` distinct prompts, ``concurrency`` at a time.
+
+    ``extra`` fields go into every request body (``ignore_eos`` for a fixed token count)."""
     sem = asyncio.Semaphore(concurrency)
     tokens: list[int] = []
 
@@ -263,7 +274,7 @@ async def throughput(
             msg = [
                 {"role": "user", "content": f"{tag} request {i}: tell me about experts, caches and pages."}
             ]
-            reply = await _chat(client, url, model, msg, max_tokens)
+            reply = await _chat(client, url, model, msg, max_tokens, extra)
             tokens.append(int(reply["usage"]["completion_tokens"]))
 
     async with httpx.AsyncClient(timeout=600.0) as client:
@@ -448,11 +459,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--logdir", type=Path, default=None)
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="serve a generated hybrid (Gated DeltaNet + attention) model: state snapshots vs cold, "
+        "throughput vs transformers' generate (receipt serve-hybrid)",
+    )
     return p
 
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if args.hybrid:
+        from moetray.engine.bench.serve_hybrid import run
+
+        return run(args)
     from transformers import AutoTokenizer
 
     from moetray.engine.bench.results import write_receipt
