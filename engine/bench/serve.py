@@ -82,8 +82,7 @@ def ensure_bench_model(path: Path | None = None) -> Path:
         hidden_size=256,
         num_hidden_layers=4,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        num_key_value_heads=2,  # head_dim: hidden_size / num_attention_heads = 64
         moe_intermediate_size=256,
         intermediate_size=512,
         num_experts=16,
@@ -268,7 +267,8 @@ async def throughput(
 ) -> dict[str, Any]:
     """Completion tokens per second for ``requests`` distinct prompts, ``concurrency`` at a time.
 
-    ``extra`` fields go into every request's body (the constrained-decoding rows).
+    ``extra`` fields go into every request body (``ignore_eos`` for a fixed token count; the
+    constrained-decoding rows' ``response_format`` and ``tools``).
     """
     sem = asyncio.Semaphore(concurrency)
     tokens: list[int] = []
@@ -468,6 +468,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only the constrained-decoding rows (moetray alone; receipt serve-constrained.json)",
     )
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="serve a generated hybrid (Gated DeltaNet + attention) model: state snapshots vs cold, "
+        "throughput vs transformers' generate (receipt serve-hybrid)",
+    )
     return p
 
 
@@ -475,6 +481,10 @@ def main(argv: list[str]) -> int:
     from moetray.engine.bench.constrained import CONSTRAINED_NOTE, constrained, constrained_rows
 
     args = parser().parse_args(argv)
+    if args.hybrid:
+        from moetray.engine.bench.serve_hybrid import run
+
+        return run(args)
     from transformers import AutoTokenizer
 
     from moetray.engine.bench.results import write_receipt
@@ -585,7 +595,8 @@ def main(argv: list[str]) -> int:
         runs = results["throughput"].get(name, {}).get(str(c))
         return statistics.median(r[key] for r in runs) if runs else None
 
-    rows, notes = [], []
+    rows: list[list[Any]] = []  # [label, moetray, stock, ratio]
+    notes: list[str] = []
     for c in (1, 4, 8):
         a, b = med("moetray", c), med("transformers serve", c)
         rows.append([f"aggregate tok/s, concurrency {c}", a, b, (a / b) if a and b else None])

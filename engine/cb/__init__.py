@@ -11,6 +11,11 @@ hooks the substrate offers, one module per concern:
   ``tool_grammar`` writes the grammar of each family's tool-call format.
 - ``prefix`` — which prefix policy a model gets, and the radix-decided ledger and scheduler.
 - ``kv`` — KV costing from the model geometry, and the lazily zeroed CPU pool.
+- ``state`` — a hybrid model's recurrent-state pool: its costing, the state allocator beside
+  the KV allocators, and the snapshot-aware radix ledger.
+- ``hybrid`` — the hybrid paged cache and scheduler, and the start-up swap that lets the
+  substrate build them for a model with linear-attention layers.
+- ``recurrent`` — the linear-attention seam: Gated DeltaNet layers computing in the state pool.
 
 May import torch, transformers (its internals included: only this package and
 ``engine/experts/hf.py`` do) and ``moetray.policy``; never the HTTP layer or the tray.
@@ -26,7 +31,7 @@ from moetray.engine.cb.prefix import (
     RadixScheduler,
     choose_prefix_policy,
 )
-from moetray.engine.cb.runner import BatchRunner, KVStats, LiveRequest, RunnerConfig
+from moetray.engine.cb.runner import BatchRunner, KVStats, LiveRequest, RunnerConfig, StateStats
 from moetray.engine.cb.sampling import (
     Sampling,
     TokenLogprob,
@@ -34,6 +39,7 @@ from moetray.engine.cb.sampling import (
     sampling_kwargs,
     seeded_uniform,
 )
+from moetray.engine.cb.state import StateGeometry, UnsupportedLayers, refuse_unservable_layers
 
 __all__ = [
     "PREFIX_POLICIES",
@@ -50,10 +56,14 @@ __all__ = [
     "RunnerConfig",
     "Sampling",
     "TokenLogprob",
+    "StateGeometry",
+    "StateStats",
+    "UnsupportedLayers",
     "kv_bytes_per_page",
     "json_item",
     "kv_overhead_bytes",
     "needs_processors",
+    "refuse_unservable_layers",
     "sampling_kwargs",
     "seeded_uniform",
 ]
