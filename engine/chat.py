@@ -229,6 +229,9 @@ class ChatSupport:
             if len(ids) == 1:
                 stop_ids, stops = (int(ids[0]),), ()
                 special.add(stop_ids[0])  # a terminator is never shown as text
+        grammars = GrammarCompiler(
+            tokenizer, vocab_size=vocab_size or len(tokenizer), eos_ids=[*eos_ids, *stop_ids]
+        )
         support = cls(
             tokenizer=tokenizer,
             reasoning_format=reasoning,
@@ -241,11 +244,9 @@ class ChatSupport:
             anchor_token=anchor,
             special_ids=frozenset(special),
             template_renders_tools=_renders_tools(tokenizer),
-            grammars=GrammarCompiler(
-                tokenizer, vocab_size=vocab_size or len(tokenizer), eos_ids=[*eos_ids, *stop_ids]
-            ),
+            grammars=grammars,
         )
-        support.grammars.prepare()
+        grammars.prepare()
         log.info(
             "chat template: tools=%s reasoning=%s end_of_turn=%r effort=%s thinking=%s anchor=%s",
             tool_format,
@@ -358,7 +359,7 @@ def _render_safe(tokenizer, messages, **kwargs) -> str | None:
 def _renders_tools(tokenizer) -> bool:
     """Whether the template writes the ``tools`` it is given into the prompt."""
     text = _render_safe(tokenizer, [{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL])
-    return bool(text) and "probe_tool" in text
+    return text is not None and "probe_tool" in text
 
 
 def _probe_tool_format(tokenizer) -> ToolCallFormat | None:

@@ -46,7 +46,10 @@ def render_tool_calls(fmt: ToolCallFormat, calls: Sequence[Mapping[str, Any]]) -
     """
     m = TOOL_CALL_MARKERS[fmt]
     items = [(str(c.get("name", "")), _arguments(c)) for c in calls]
-    dump = lambda obj: json.dumps(obj, ensure_ascii=False)  # noqa: E731 - one local spelling
+
+    def dump(obj: object) -> str:
+        return json.dumps(obj, ensure_ascii=False)
+
     if m.grammar == "json_block":
         return "\n".join(f"{m.opener}\n{dump({'name': n, 'arguments': a})}\n{m.closer}" for n, a in items)
     if m.grammar == "json_sequence":
