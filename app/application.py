@@ -443,7 +443,8 @@ class MoetrayApp(QObject):
             pools.finish_apply(rebuild_outcome(None, {"message": "No engine is running."}))
             return
         try:
-            status, body = await client.rebuild(moe_slots=target.moe_slots, kv_tokens=target.kv_tokens)
+            status, body = await client.rebuild(moe_slots=target.moe_slots, kv_tokens=target.kv_tokens,
+                                                state_slots=target.state_slots)
             outcome = rebuild_outcome(status, body)
         except EngineError as exc:
             outcome = rebuild_outcome(None, {"message": exc.message})

@@ -174,14 +174,14 @@ class EngineClient:
         raise EngineError("unreachable", "the engine closed the event stream")
 
     async def rebuild(self, *, moe_slots: int | None = None, kv_tokens: int | None = None,
-                      timeout_s: float = 120.0) -> tuple[int, Any]:
+                      state_slots: int | None = None, timeout_s: float = 120.0) -> tuple[int, Any]:
         """``POST /admin/cache/rebuild``; returns ``(status, body)`` whatever the outcome.
 
         A rebuild's refusals are outcomes the dashboard shows verbatim, so a 4xx/5xx reply
         is returned, not raised; only a missing reply raises :class:`EngineError`.
         """
-        payload = {k: v for k, v in (("moe_slots", moe_slots), ("kv_tokens", kv_tokens))
-                   if v is not None}
+        named = (("moe_slots", moe_slots), ("kv_tokens", kv_tokens), ("state_slots", state_slots))
+        payload = {k: v for k, v in named if v is not None}
         return await self._call("rebuild", json_body=payload, timeout_s=timeout_s, accept_error=True)
 
     async def rebuild_stop_running(self) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class EngineOptions:
     dtype: str = "auto"
     moe_capacity: int | None = None  # expert slots; None: planned from the budget
     kv_tokens: int | None = None  # None: planned from the budget
+    state_slots: int | None = None  # recurrent-state slots (hybrid models); None: planned from the budget
     budget_bytes: int | None = None  # CPU: the device tier's budget; CUDA: overrides the measurement
     memory_ratio: float = DEFAULT_MEMORY_RATIO
     kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS
@@ -73,6 +74,8 @@ class EngineOptions:
     link_gbps: float | None = None
     outbox_dir: Path | None = None
     rebuild_idle_timeout_s: float = 30.0
+    model_aliases: tuple[str, ...] = ()  # more names /v1/* accepts besides the id, "default", the folder
+    accept_any_model: bool = False  # accept any "model" name (clients that hard-code one)
     test_hooks: bool = False
     test_step_delay_s: float = 0.0  # test hook: every batch step sleeps this long (needs test_hooks)
     instance_id: str | None = None

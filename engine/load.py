@@ -3,7 +3,8 @@
 :func:`load_model` reads the checkpoint (or builds the embedded demo model), decides the
 prefix policy, device, dtype and top-k, loads the weights with the experts offloaded,
 measures the device budget once, prices the pools (``pools.price_pools``), plans the
-start-up split (``PoolBudget.plan``, a pinned ``--moe-capacity`` / ``--kv-tokens`` kept),
+start-up split (``PoolBudget.plan``, a pinned ``--moe-capacity`` / ``--kv-tokens`` /
+``--state-slots`` kept),
 probes the chat template and opens the pools. ``LoadState`` is what ``/health`` says
 meanwhile: the stage, and the reason when loading failed.
 
@@ -140,21 +141,30 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     pinned = RebuildRequest(
         moe_slots=opts.moe_capacity,
         kv_pages=None if opts.kv_tokens is None else reserve_pages(opts.kv_tokens, opts.page_size),
+        state_slots=opts.state_slots,
     )
     sizes = budget.plan(opts.kv_reserve_tokens, pinned=pinned)
     log.info(
-        "pool split: %d expert slots (%d B each), %d KV pages of %d tokens (%d B each); budget %d B (%s)",
+        "pool split: %d expert slots (%d B each), %d KV pages of %d tokens (%d B each), "
+        "%d state slots (%d B each); budget %d B (%s)",
         sizes.moe_slots,
         budget.bytes_per_slot,
         sizes.kv_pages,
         opts.page_size,
         budget.bytes_per_page,
+        sizes.state_slots,
+        budget.bytes_per_state_slot,
         budget.budget_bytes,
         measured.source,
     )
     eos_ids = loader.eos_token_ids(loaded.model, loaded.tokenizer)
     progress("probing the chat template", 0, 1)
-    chat = ChatSupport.probe(loaded.tokenizer, info, eos_ids=eos_ids)
+    chat = ChatSupport.probe(
+        loaded.tokenizer,
+        info,
+        eos_ids=eos_ids,
+        vocab_size=loaded.model.config.get_text_config().vocab_size,
+    )
     eos_ids += tuple(t for t in chat.turn_stop_ids if t not in eos_ids)
     settings = RunnerSettings(
         page_size=opts.page_size,

@@ -1,6 +1,6 @@
-"""The live re-split of device memory between the expert slot pool and the KV pool.
+"""The live re-split of device memory between the expert slot pool, the KV pool and a hybrid's state pool.
 
-``POST /admin/cache/rebuild {"moe_slots"?, "kv_tokens"?}`` runs, in this order:
+``POST /admin/cache/rebuild {"moe_slots"?, "kv_tokens"?, "state_slots"?}`` runs, in this order:
 
 1. gate ``begin_rebuild`` (refused: ``not_ready`` / ``latched`` / ``busy``; nothing changed);
 2. ``Pools.validate`` (``PoolBudget.validate``) — arithmetic against the measured budget,
@@ -17,8 +17,9 @@
    words ("2 requests were still running after 30 s; nothing changed.");
 4. ``RebuildTxn.run`` over ``Pools.resize`` (the destructive step: it marks teardown before
    it frees anything — a MoE-only change resizes the slot pool in place with the batch loop
-   paused, keeping the hottest experts, the KV pool and its prefix cache; a KV change stops
-   the batch loop, drops the KV pool and builds a new one, prefix cache invalidated) and
+   paused, keeping the hottest experts, the KV pool and its prefix cache; a KV or state
+   change stops the batch loop, drops the runner's pools and builds new ones, prefix cache
+   and state snapshots invalidated) and
    ``Pools.restore`` (on failure only the touched pools are restored; a failed restore
    latches);
 5. gate ``finish_rebuild(engine_preserved)``.
@@ -50,7 +51,7 @@ from moetray.engine.gate import Gate, ResplitWait
 from moetray.engine.pools import Pools
 from moetray.engine.requests import Requests
 from moetray.policy.pool_budget import PoolSizes, RebuildRejected, RebuildRequest, reserve_pages
-from moetray.policy.rebuild import Applied, Latched, RebuildTxn
+from moetray.policy.rebuild import Applied, Latched, RebuildTxn, sizes_body
 from moetray.policy.refused import Refused
 from moetray.policy.wire import error_body, refusal_for
 
@@ -163,9 +164,11 @@ class Timing:
 def _request_from(body: dict[str, Any], page_size: int) -> RebuildRequest:
     moe = body.get("moe_slots")
     kv_tokens = body.get("kv_tokens")
+    state = body.get("state_slots")
     return RebuildRequest(
         moe_slots=None if moe is None else int(moe),
         kv_pages=None if kv_tokens is None else reserve_pages(int(kv_tokens), page_size),
+        state_slots=None if state is None else int(state),
     )
 
 
@@ -183,8 +186,9 @@ async def run_rebuild(
     ``pools`` is ``None`` before the model loaded; the gate refuses then (``not_ready``).
     """
     t0 = time.perf_counter()
-    if body.get("moe_slots") is None and body.get("kv_tokens") is None:
-        return 400, error_body("invalid_request_error", "name at least one of moe_slots, kv_tokens")
+    if all(body.get(name) is None for name in ("moe_slots", "kv_tokens", "state_slots")):
+        named = "name at least one of moe_slots, kv_tokens, state_slots"
+        return 400, error_body("invalid_request_error", named)
     gate.begin_rebuild()  # RebuildRefused → mapped by the server, nothing changed
     if pools is None:  # the gate refuses (not_ready) before the pools exist: a bug if reached
         gate.rebuild_never_dispatched()
@@ -314,7 +318,7 @@ def _timed_out(timeout_s: float, sizes: PoolSizes, page: int, timing: Timing) ->
 def _refusal(
     kind: str, message: str, sizes: PoolSizes, page: int, timing: Timing
 ) -> tuple[int, dict[str, Any]]:
-    body = {"moe_slots": sizes.moe_slots, "kv_pages": sizes.kv_pages, "kv_tokens": sizes.kv_pages * page}
+    body = sizes_body(sizes, page)
     result = {
         "outcome": "rejected_intact",
         "before": body,

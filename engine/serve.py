@@ -1,7 +1,7 @@
 """``moetray serve``: the engine process (HTTP server first, the model loads behind it).
 
     moetray serve [--model PATH|NAME] [--host 127.0.0.1] [--port N] [--device auto|cpu|cuda]
-                  [--moe-capacity SLOTS|PCT%] [--kv-tokens N] [--budget-bytes N[K|M|G]] …
+                  [--moe-capacity SLOTS|PCT%] [--kv-tokens N] [--state-slots N] [--budget-bytes N[K|M|G]] …
 
 With no ``--model`` the embedded demo model is built (first run) and served. The server
 comes up before the model loads, so ``GET /health`` reports load progress; the gate opens
@@ -84,6 +84,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument(
+        "--state-slots",
+        type=int,
+        default=None,
+        help="recurrent-state slots of a hybrid model (requests running at once, plus snapshots kept "
+        "for prefix reuse); refused for a model without linear-attention layers",
+    )
+    p.add_argument(
         "--budget-bytes",
         type=parse_bytes,
         default=None,
@@ -123,6 +130,17 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--allowed-host", action="append", default=[], help="extra accepted Host header (repeatable)"
+    )
+    p.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        help="another name a request's 'model' may give (repeatable; the id, 'default', the folder work)",
+    )
+    p.add_argument(
+        "--accept-any-model",
+        action="store_true",
+        help="serve whatever 'model' a request names (for clients that hard-code one)",
     )
     p.add_argument("--outbox-dir", type=Path, default=None, help="where stop receipts are written")
     p.add_argument(
@@ -167,6 +185,7 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         dtype=args.dtype,
         moe_capacity=moe_capacity(args.moe_capacity, args.model),
         kv_tokens=args.kv_tokens,
+        state_slots=args.state_slots,
         budget_bytes=args.budget_bytes,
         page_size=args.page_size,
         max_batch_tokens=args.max_batch_tokens,
@@ -177,6 +196,8 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         link_gbps=args.link_gbps,
         outbox_dir=args.outbox_dir,
         rebuild_idle_timeout_s=args.rebuild_idle_timeout,
+        model_aliases=tuple(args.model_alias),
+        accept_any_model=args.accept_any_model,
         test_hooks=args.test_hooks,
         test_step_delay_s=args.test_step_delay_ms / 1000.0,
     )

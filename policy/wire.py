@@ -45,6 +45,8 @@ ROUTES: dict[str, Route] = {
     "models": Route("GET", "/v1/models", "api_key"),
     "chat_completions": Route("POST", "/v1/chat/completions", "api_key"),
     "completions": Route("POST", "/v1/completions", "api_key"),
+    "model": Route("GET", "/v1/models/{model}", "api_key"),
+    "responses": Route("POST", "/v1/responses", "api_key"),
     "status": Route("GET", "/admin/status", "admin"),
     "events": Route("GET", "/admin/events", "admin"),
     "rebuild": Route("POST", "/admin/cache/rebuild", "admin"),
@@ -110,6 +112,14 @@ REFUSALS: dict[str, Refusal] = {
     "invalid_request_error": Refusal(400, Retry.NEVER, "The request is malformed."),
     "context_length_exceeded": Refusal(400, Retry.NEVER, "The prompt is longer than the context."),
     "not_found": Refusal(404, Retry.NEVER, "No such object."),
+    "model_not_found": Refusal(404, Retry.NEVER, "This engine does not serve that model."),
+    "unsupported_content": Refusal(400, Retry.NEVER, "The model reads text only (no images or audio)."),
+    "invalid_schema": Refusal(400, Retry.NEVER, "The JSON schema cannot be enforced."),
+    "tools_unsupported": Refusal(400, Retry.NEVER, "This model's tool-call format is unknown."),
+    "constrained_decoding_unavailable": Refusal(
+        400, Retry.NEVER, "Constrained decoding cannot read this model's tokenizer."
+    ),
+    "unsupported_parameter": Refusal(400, Retry.NEVER, "This engine does not support that parameter."),
     "unauthorized": Refusal(401, Retry.NEVER, "Missing or wrong credentials."),
     "forbidden_host": Refusal(403, Retry.NEVER, "Unknown Host header (DNS rebinding guard)."),
     "method_not_allowed": Refusal(405, Retry.NEVER, "That route does not take this method."),
@@ -264,15 +274,18 @@ class PoolInfo(TypedDict):
     kv_pages: int
     page_size: int  # tokens per KV page
     kv_tokens: int
+    state_slots: int  # recurrent-state slots (hybrid models); 0 when the model has no such pool
     bytes_per_slot: int
     bytes_per_page: int
+    bytes_per_state_slot: int  # one request's conv + recurrent states over every linear layer; 0 without
     budget_bytes: int
     fixed_bytes: int
-    floors: dict[str, int]  # {"moe_slots", "kv_pages"}
-    limits: dict[str, dict[str, int]]  # {"moe_slots": {"min", "max"}, "kv_pages": {...}}
+    floors: dict[str, int]  # {"moe_slots", "kv_pages", "state_slots"}
+    limits: dict[str, dict[str, int]]  # {"moe_slots": {"min", "max"}, "kv_pages": …, "state_slots": …}
     kv_pages_used: int | None  # excludes evictable prefix pages
     kv_pages_evictable: int | None
-    live_bytes: dict[str, int | None]  # {"moe_slots", "kv_pages"}: bytes each live pool holds, measured
+    state_slots_used: int | None  # live requests + locked snapshots (evictable snapshots excluded)
+    live_bytes: dict[str, int | None]  # {"moe_slots", "kv_pages", "state_slots"}: bytes each live pool holds
 
 
 class ExpertStats(TypedDict):
@@ -319,6 +332,7 @@ class PoolSizesBody(TypedDict):
     moe_slots: int
     kv_pages: int
     kv_tokens: int
+    state_slots: int
 
 
 class RebuildResult(TypedDict):

@@ -22,12 +22,14 @@ class Sizes:
     moe_slots: int
     kv_pages: int
     kv_tokens: int
+    state_slots: int = 0  # recurrent-state slots; 0 on a model without the pool
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any] | None) -> Sizes | None:
         if not body:
             return None
-        return cls(int(body["moe_slots"]), int(body["kv_pages"]), int(body["kv_tokens"]))
+        return cls(int(body["moe_slots"]), int(body["kv_pages"]), int(body["kv_tokens"]),
+                   int(body.get("state_slots") or 0))
 
 
 OUTCOME_SEVERITY = {"applied": "ok", "rejected_intact": "warning", "rolled_back": "warning",
@@ -83,6 +85,8 @@ class ApplyOutcome:
             parts.append(f"{fmt_int(b.moe_slots)} → {fmt_int(a.moe_slots)} expert slots")
         if a.kv_tokens != b.kv_tokens:
             parts.append(f"{fmt_int(b.kv_tokens)} → {fmt_int(a.kv_tokens)} KV tokens")
+        if a.state_slots != b.state_slots:
+            parts.append(f"{fmt_int(b.state_slots)} → {fmt_int(a.state_slots)} state slots")
         return ", ".join(parts) or f"{fmt_int(a.moe_slots)} expert slots, {fmt_int(a.kv_tokens)} KV tokens"
 
     def timing(self) -> str | None:

@@ -48,6 +48,9 @@ class RebuildBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     moe_slots: StrictInt | None = Field(default=None, ge=0)
     kv_tokens: StrictInt | None = Field(default=None, ge=0)
+    state_slots: StrictInt | None = Field(
+        default=None, ge=0, description="recurrent-state slots (hybrid models; other models: no_such_pool)"
+    )
     idle_timeout_s: StrictFloat | None = timeout_field(
         "idle_timeout_s", None, "how long to wait for running requests (default: the engine's)"
     )

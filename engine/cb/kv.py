@@ -1,6 +1,8 @@
 """KV costing: bytes per page and the substrate's fixed overhead, a lazily zeroed CPU pool, and
 the heap a retired batch loop leaves, handed back.
 
+(The recurrent-state pool of hybrid models is priced beside its allocator, in ``state``.)
+
 ``pool_budget`` prices KV pages with these numbers before any pool exists, so they follow the
 substrate's own sizing rules (``PagedAttentionMemoryHandler``) from the model geometry.
 """
@@ -15,8 +17,11 @@ import torch
 
 
 def kv_bytes_per_page(config, *, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of KV one page holds across every layer (keys and values), from the model geometry."""
+    """Bytes of KV one page holds across every attention layer (keys and values), from the model
+    geometry; a hybrid's linear-attention layers keep no KV (their state is priced in ``state``)."""
     from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+
+    from moetray.engine.cb.state import attention_layers
 
     text = config.get_text_config()
     return (
@@ -25,7 +30,7 @@ def kv_bytes_per_page(config, *, page_size: int, dtype: torch.dtype) -> int:
         * find_head_dim(text)
         * torch.empty((), dtype=dtype).element_size()
         * page_size
-        * text.num_hidden_layers
+        * len(attention_layers(text))
     )
 
 

@@ -78,9 +78,21 @@ def _refuse_quantized(config) -> None:
         raise CheckpointError(exc.kind, str(exc), **exc.fields) from exc
 
 
+def _refuse_unservable_layers(config) -> None:
+    """``cb.refuse_unservable_layers`` as a :class:`CheckpointError` (``unsupported_layers``)."""
+    from moetray.engine.cb import UnsupportedLayers, refuse_unservable_layers
+
+    try:
+        refuse_unservable_layers(config)
+    except UnsupportedLayers as exc:
+        raise CheckpointError(exc.kind, str(exc), **exc.fields) from exc
+
+
 def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     """Reads a checkpoint folder's config and sidecar; loads no weights. Raises ``CheckpointError``
-    (``not_a_checkpoint``, ``unreadable_config``, ``quantized_checkpoint``, ``not_moe``)."""
+    (``not_a_checkpoint``, ``unreadable_config``, ``quantized_checkpoint``, ``not_moe``,
+    ``unsupported_layers``: a layer type the engine cannot serve, such as another family's
+    recurrent blocks)."""
     from transformers import AutoConfig
 
     from moetray.engine.models.files import is_gguf_path
@@ -101,6 +113,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     inter = _first_int(text, "moe_intermediate_size", "intermediate_size")
     if num_experts is None or top_k is None or inter is None:
         raise CheckpointError("not_moe", f"{root} is not a mixture-of-experts checkpoint (no expert count)")
+    _refuse_unservable_layers(config)
     sidecar: dict[str, Any] = {}
     if (root / SIDECAR).is_file():
         sidecar = json.loads((root / SIDECAR).read_text())
@@ -110,6 +123,8 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         default_top_k = top_k
     arch = (config.architectures or [type(config).__name__])[0]
     label = sidecar.get("label") or f"{arch} ({num_experts} experts, top-{default_top_k})"
+    if text is not config and not sidecar.get("label"):
+        label += ", text only"  # a multimodal checkpoint: its language model is what is served
     return CheckpointInfo(
         path=root,
         model_id=sidecar.get("model_id") or root.name,

@@ -48,8 +48,8 @@ ARCHITECTURES = {
 GPT_OSS_SWIGLU: dict[str, Any] = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}  # config keyword arguments
 """gpt-oss's clamped SwiGLU as llama.cpp computes it: constants of its graph, not metadata."""
 LATER_FAMILIES = {
-    "qwen35moe": "Qwen3.5/3.6-MoE (hybrid recurrent layers) is served once the hybrid "
-    "recurrent-state pool lands",
+    "qwen35moe": "Qwen3.5/3.6-MoE GGUF files (hybrid recurrent layers) are not mapped yet "
+    "(their Hugging Face checkpoints are served, recurrent state included)",
 }
 DENSE_FAMILIES = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral", "falcon"}
 

@@ -69,8 +69,8 @@ def test_kv_resplit_applies_without_reloading_and_invalidates_the_prefix_cache(e
     result = r.json()
     assert set(wire.RebuildResult.__annotations__) <= set(result)
     assert result["outcome"] == "applied"
-    assert result["before"] == {"moe_slots": 16, "kv_pages": 128, "kv_tokens": 2048}
-    assert result["after"] == {"moe_slots": 16, "kv_pages": 64, "kv_tokens": 1024}
+    assert result["before"] == {"moe_slots": 16, "kv_pages": 128, "kv_tokens": 2048, "state_slots": 0}
+    assert result["after"] == {"moe_slots": 16, "kv_pages": 64, "kv_tokens": 1024, "state_slots": 0}
     assert result["prefix_cache_invalidated"] is True
     assert result["elapsed_ms"] > 0 and result["applied_ms"] > 0 and result["waited_ms"] >= 0
     assert sizes(eng) == (16, 64)
