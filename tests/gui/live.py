@@ -118,6 +118,7 @@ class StreamingChat(threading.Thread):
                      "ignore_eos": True, "messages": [{"role": "user", "content": content}]}
         self.chunks = 0
         self.finish_reason: str | None = None
+        self.stop_reason: str | None = None  # "cancelled" after a Stop (finish_reason is then "stop")
         self.error: str | None = None
         self.done = threading.Event()
 
@@ -136,6 +137,7 @@ class StreamingChat(threading.Thread):
                     for choice in chunk.get("choices", []):
                         if choice.get("finish_reason"):
                             self.finish_reason = choice["finish_reason"]
+                            self.stop_reason = choice.get("stop_reason")
         except httpx.HTTPError as exc:
             self.error = repr(exc)
         finally:

@@ -172,7 +172,7 @@ def test_stop_them_and_apply_stops_the_running_request_and_applies(app, window, 
     assert view.outcome_text.startswith("Applied: ") and "waiting" in view.outcome_text
     assert outcome.waited_ms is not None and outcome.applied_ms is not None
     qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
-    assert chat.finish_reason == "cancelled" and chat.chunks < 400
+    assert (chat.finish_reason, chat.stop_reason) == ("stop", "cancelled") and chat.chunks < 400
     after = dashboard_engine.status()["pools"]
     assert (after["moe_slots"], after["kv_pages"]) != (before["moe_slots"], before["kv_pages"])
     assert not view.stop_running_button.isVisible()
