@@ -89,7 +89,7 @@ class Driver:
 
 
 def _chat(api: str, max_tokens: int, *, stream: bool = False) -> dict:
-    body = {"model": "m", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream,
+    body = {"model": "default", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream,
             "messages": [{"role": "user", "content": "tell me a story"}]}
     if stream:
         body["stream_options"] = {"include_usage": True}
