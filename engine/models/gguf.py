@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetray.engine.models.files import CheckpointError, gguf_files
 from moetray.engine.models import gguf_qwen35 as qwen35
+from moetray.engine.models.files import CheckpointError, gguf_files
 from moetray.engine.models.hf import GgufHeader, GgufTensor, native_config_fields, read_header
 
 __all__ = ["GgufCheckpoint", "load_gguf", "load_gguf_tokenizer", "read_gguf"]

@@ -163,8 +163,9 @@ def test_a_live_engine_serves_a_qwen35moe_gguf_through_the_hybrid_path(tmp_path)
     from tiny_moe import make_tiny_moe
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = export_gguf(make_tiny_moe(tmp_path / "src", "qwen3_5_moe", num_layers=4), tmp_path / "q35.gguf", "Q8_0")[0]
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf.name, dtype=torch.float32).eval()
+    source = make_tiny_moe(tmp_path / "src", "qwen3_5_moe", num_layers=4)
+    gguf = export_gguf(source, tmp_path / "q35.gguf", "Q8_0")[0]
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf.name)
     prompts = [tok.encode(f"Experts number {i} route tokens through the state pool.") for i in range(4)]
 
