@@ -243,7 +243,7 @@ class Engine:
         info = loader.inspect_checkpoint(model_dir)
         self.prefix_policy = choose_prefix_policy(opts.prefix_policy, info.config)
         device = loader.resolve_device(opts.device)
-        dtype = loader.resolve_dtype(opts.dtype, info, device)
+        fmt = loader.serving_format(opts.dtype, info, device)
         top_k = opts.top_k or info.default_top_k
         if top_k != info.top_k and not info.top_k_adjustable:
             raise loader.CheckpointError(
@@ -260,7 +260,7 @@ class Engine:
         loaded = loader.load_checkpoint(
             info,
             device=device,
-            dtype=dtype,
+            fmt=fmt,
             capacity=floor_slots,
             top_k=top_k,
             progress=self._progress,
@@ -281,6 +281,7 @@ class Engine:
         else:
             budget = cpu_budget(opts.budget_bytes)
         page = opts.page_size
+        dtype = loaded.dtype  # activations and the KV cache
         kv_page = kv_bytes_per_page(loaded.model.config, page_size=page, dtype=dtype)
         overhead_page, fixed = kv_overhead_bytes(
             loaded.model.config, page_size=page, dtype=dtype, max_batch_tokens=opts.max_batch_tokens
@@ -642,6 +643,8 @@ class Engine:
             "num_experts": info.num_experts,
             "top_k": self.loaded.top_k,
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "weights": self.loaded.format.weights,
+            "dtype_reason": self.loaded.format.reason,
             "context_length": self.ceiling.limit if self.ceiling else info.context_length,
         }
 

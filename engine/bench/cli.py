@@ -14,6 +14,7 @@ BENCHMARKS = {
     "trace": "moetray.engine.bench.trace",  # cache policies against Belady on routing traces
     "engine": "moetray.engine.bench.offload",  # offloading engine vs resident vs accelerate
     "batch": "moetray.engine.bench.batch",  # batched decode: the experts runtime vs stock implementations
+    "decode": "moetray.engine.bench.decode",  # served decode per format: tok/s, bytes/token, bound, steps
     "serve": "moetray.engine.bench.serve",  # HTTP serving vs `transformers serve`
     "demo": "moetray.engine.bench.demo_quality",  # demo model perplexity and chat answers
     "radix_cost": "moetray.engine.bench.radix_cost",  # radix verbs' cost as the tree grows

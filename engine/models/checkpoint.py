@@ -143,15 +143,13 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-def resolve_dtype(spec: str, info: CheckpointInfo, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on the CPU (fast kernels, token identity), else the checkpoint's dtype."""
-    if spec != "auto":
-        return getattr(torch, spec)
-    if device.type == "cpu":
-        return torch.float32
-    cfg = json.loads((info.path / "config.json").read_text())
-    named = cfg.get("dtype") or cfg.get("torch_dtype")
-    return getattr(torch, named) if isinstance(named, str) and hasattr(torch, named) else torch.bfloat16
+def serving_format(spec: str, info: CheckpointInfo, device: torch.device):
+    """The format ``--dtype spec`` serves this checkpoint in on ``device``
+    (:func:`moetray.engine.models.precision.resolve_format`; ``auto``: the checkpoint's 16-bit
+    dtype where the device computes it, else float32 on the CPU)."""
+    from moetray.engine.models.precision import resolve_format
+
+    return resolve_format(spec, info.path, device)
 
 
 @dataclass
@@ -161,8 +159,9 @@ class LoadedModel:
     tokenizer: Any
     info: CheckpointInfo
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # activations and KV cache (and the weights unless ``format`` quantizes them)
     top_k: int
+    format: Any = None  # moetray.policy.precision.ServingFormat
 
 
 def apply_top_k(model, runtime, top_k: int) -> None:
@@ -207,24 +206,27 @@ def load_checkpoint(
     info: CheckpointInfo,
     *,
     device: torch.device,
-    dtype: torch.dtype,
+    fmt,
     capacity: int,
     top_k: int,
     progress: Progress,
     link_gbps: float | None = None,
     policy: str | None = None,
 ) -> LoadedModel:
-    """Loads the model with its experts offloaded (``capacity`` device slots) and applies ``top_k``.
+    """Loads the model with its experts offloaded (``capacity`` device slots) in the serving format
+    ``fmt`` (:func:`serving_format`) and applies ``top_k``.
 
     Refuses ``unsupported_attention`` (:func:`refuse_unpageable_attention`) before reading
     anything but the config; the experts loader's refusals pass through."""
     from transformers import AutoConfig
 
     from moetray.engine.experts import load_offloaded_model
+    from moetray.engine.models.precision import apply_format, torch_dtype
 
     refuse_unpageable_attention(AutoConfig.from_pretrained(info.path))
     progress("loading tokenizer", 0, None)
     tokenizer = load_tokenizer(info.path)
+    dtype = torch_dtype(fmt.compute)
     offloaded = load_offloaded_model(
         info.path,
         device=device,
@@ -235,6 +237,7 @@ def load_checkpoint(
         progress=progress,
     )
     model = offloaded.model.eval()
+    apply_format(fmt, model, device)
     if top_k != info.top_k:
         apply_top_k(model, offloaded.runtime, top_k)
     if model.generation_config is not None and tokenizer.eos_token_id is not None:
@@ -248,6 +251,7 @@ def load_checkpoint(
         device=device,
         dtype=dtype,
         top_k=top_k,
+        format=fmt,
     )
 
 
