@@ -8,7 +8,9 @@ environment, never in argv). :class:`EngineSupervisor` then runs one child at a 
 - **watch**: the child's output is read without blocking and re-emitted as log lines;
   ``GET /health`` is probed every ``probe_interval_s``; a tick every ``tick_s`` notices an
   exit, or an engine that answered before and has not answered for ``unresponsive_after_s``
-  (2 s by default);
+  (2 s by default). An engine whose last answer said it was busy (requests in flight,
+  its batch loop's heartbeat advancing) is given ``busy_grace_s`` instead: a slow request
+  is not a hang;
 - **restart once**: an unexpected exit or hang is reported (``crashed``) and the engine is
   started again after a back-off, at most ``max_restarts`` times (1) per user start; the
   next failure is final (``gave_up``): never a restart loop;
@@ -155,6 +157,7 @@ class _Child:
     client: EngineClient
     started: float
     last_ok: float | None = None
+    busy: bool = False  # the last /health said requests were in flight
     intentional: bool = False
     partial: bytes = b""
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
@@ -177,11 +180,13 @@ class EngineSupervisor(QObject):
     gave_up = Signal(str)
     exited = Signal(int)
 
-    def __init__(self, *, unresponsive_after_s: float = 2.0, start_timeout_s: float = 180.0,
+    def __init__(self, *, unresponsive_after_s: float = 2.0, busy_grace_s: float = 60.0,
+                 start_timeout_s: float = 180.0,
                  probe_interval_s: float = 0.5, tick_s: float = 0.1, backoff_s: float = 1.0,
                  max_restarts: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.unresponsive_after_s = unresponsive_after_s
+        self.busy_grace_s = busy_grace_s
         self.start_timeout_s = start_timeout_s
         self.probe_interval_s = probe_interval_s
         self.tick_s = tick_s
@@ -314,6 +319,7 @@ class EngineSupervisor(QObject):
                 body = None
             if body is not None and child is self._child:
                 child.last_ok = self._clock()
+                child.busy = bool((body.get("heartbeat") or {}).get("busy"))
                 if self.phase == Phase.STARTING:
                     self._set_phase(Phase.RUNNING)
                 self.health.emit(dict(body))
@@ -329,7 +335,8 @@ class EngineSupervisor(QObject):
             now = self._clock()
             if code is not None:
                 reason = f"The engine exited with code {code}."
-            elif child.last_ok is not None and now - child.last_ok > self.unresponsive_after_s:
+            elif child.last_ok is not None and now - child.last_ok > (
+                    self.busy_grace_s if child.busy else self.unresponsive_after_s):
                 reason = (f"The engine stopped answering (no /health reply for "
                           f"{now - child.last_ok:.1f} s).")
             elif child.last_ok is None and now - child.started > self.start_timeout_s:

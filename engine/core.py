@@ -190,6 +190,7 @@ class Engine:
         self.eos_ids: tuple[int, ...] = ()
         self.registry: dict[str, RequestRecord] = {}
         self.last_rebuild: dict[str, Any] | None = None
+        self.stop_counts: dict[str, int] | None = None  # drained / aborted, fixed by the first stop
         self.rebuild_timings: list[dict[str, Any]] = []
         self._loader_thread: threading.Thread | None = None
 
@@ -315,14 +316,16 @@ class Engine:
         self._progress("probing the chat template", 0, 1)
         self.chat = ChatSupport.probe(loaded.tokenizer, info, eos_ids=self.eos_ids)
         self.eos_ids += tuple(t for t in self.chat.turn_stop_ids if t not in self.eos_ids)
+        # The model and the libraries are long-lived: freeze them out of the cyclic GC, or every
+        # gc.collect() the batching substrate runs when a manager stops (each KV re-split) walks
+        # the whole heap (~1 s instead of ~1 ms). Frozen before the KV pool exists: the batch
+        # manager is a reference cycle, and a frozen cycle is never collected, so a pool built
+        # before the freeze would stay mapped after its first re-split (issue 11, defect 2).
+        gc.freeze()
         self._progress("allocating the KV pool", 0, 1)
         self.runner = self.make_runner(sizes.kv_pages)
         self.runner.start()
         self.ceiling = ContextCeiling.for_model(info.context_length, self.runner.kv_pages * page)
-        # The model and the libraries are long-lived: freeze them out of the cyclic GC, or every
-        # gc.collect() the batching substrate runs when a manager stops (each KV re-split) walks
-        # the whole heap (~1 s instead of ~1 ms).
-        gc.freeze()
         del torch
 
     def _plan(self, pricing: PoolPricing) -> PoolSizes:
@@ -628,6 +631,14 @@ class Engine:
             body["error_kind"] = self.load_error_kind
         if self.loaded is not None:
             body["model"] = self.loaded.info.model_id
+        runner = self.runner
+        if runner is not None:
+            last = runner.last_step_at
+            body["heartbeat"] = {
+                "steps": runner.steps,
+                "age_s": None if last is None else round(time.monotonic() - last, 3),
+                "busy": not self.activity().is_idle(),
+            }
         return body
 
     def model_info(self) -> dict[str, Any] | None:
@@ -671,6 +682,10 @@ class Engine:
             "limits": limits,
             "kv_pages_used": stats.used if stats else None,
             "kv_pages_evictable": stats.evictable if stats else None,
+            "live_bytes": {
+                "moe_slots": int(self.loaded.runtime.pool.rows.nbytes),
+                "kv_pages": self.runner.pool_bytes() if self.runner is not None else None,
+            },
         }
 
     def snapshot(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -27,8 +28,17 @@ from typing import TYPE_CHECKING
 # setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from moetray.engine.api.security import BindRefused, Credentials, HostPolicy, check_bind, load_credentials  # noqa: E402
+from moetray.engine.api.security import (  # noqa: E402
+    BindRefused,
+    Credentials,
+    HostPolicy,
+    UnsafeTokenPath,
+    api_key_from,
+    check_bind,
+    load_credentials,
+)
 from moetray.policy.precision import FORMATS  # noqa: E402
+from moetray.policy.wire import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES  # noqa: E402
 
 if TYPE_CHECKING:
     from moetray.engine.core import Engine, EngineOptions
@@ -55,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", type=Path, default=None, help="checkpoint folder (default: the embedded demo model)"
     )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs --api-key)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs an API key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (0: any free port)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the pools live")
     p.add_argument(
@@ -92,7 +102,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default: the checkpoint's)")
     p.add_argument("--expert-policy", default=None, help="expert cache policy (default: the project's best)")
     p.add_argument("--link-gbps", type=float, default=None, help="throttle expert copies to this many GB/s")
-    p.add_argument("--api-key", default=None, help="key /v1/* requires (also MOETRAY_API_KEY)")
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help=f"file whose first line is the key /v1/* requires (or set {API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the key itself: other users can read it in `ps`; prefer --api-key-file or " + API_KEY_ENV,
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted; larger is 413 before it is read (default 8M)",
+    )
     p.add_argument(
         "--allowed-host", action="append", default=[], help="extra accepted Host header (repeatable)"
     )
@@ -177,15 +203,33 @@ def make_server(
     *,
     log_level: str = "info",
     load_on_startup: bool = True,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ):
     """A uvicorn server for the engine's app (call ``.run(sockets=[sock])``)."""
     import uvicorn
 
     from moetray.engine.api.app import build_app
 
-    app = build_app(engine, credentials, hosts, load_on_startup=load_on_startup)
+    app = build_app(
+        engine, credentials, hosts, load_on_startup=load_on_startup, max_body_bytes=max_body_bytes
+    )
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, timeout_keep_alive=30)
     return uvicorn.Server(config)
+
+
+def forget_on_signal(credentials: Credentials) -> None:
+    """Remove the token file when SIGTERM ends the process, then die of the signal as before.
+
+    uvicorn shuts down gracefully on SIGTERM and then re-raises it under the handler that was
+    installed before it started: this one (SIGINT arrives as ``KeyboardInterrupt`` instead).
+    """
+
+    def on_term(signum, frame) -> None:
+        credentials.forget()
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def main(argv: list[str]) -> int:
@@ -193,9 +237,16 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.api_key:
+        log.warning(
+            "--api-key puts the key on the command line, where other users can read it (ps); "
+            "use --api-key-file or %s instead",
+            API_KEY_ENV,
+        )
     try:
-        check_bind(args.host, args.api_key or None)
-    except BindRefused as exc:
+        api_key = api_key_from(flag=args.api_key, file=args.api_key_file)
+        check_bind(args.host, api_key)
+    except (BindRefused, OSError, ValueError) as exc:
         print(f"moetray serve: {exc}", file=sys.stderr)
         return 2
     if args.threads:
@@ -210,7 +261,11 @@ def main(argv: list[str]) -> int:
               "(another engine there? pass --port)", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
-    credentials = load_credentials(api_key=args.api_key, port=port)
+    try:
+        credentials = load_credentials(api_key=api_key, port=port)
+    except (UnsafeTokenPath, OSError) as exc:
+        print(f"moetray serve: cannot keep the admin token safely: {exc}", file=sys.stderr)
+        return 2
     if credentials.token_file is not None:
         log.info("admin token written to %s (mode 0600)", credentials.token_file)
     else:
@@ -223,13 +278,17 @@ def main(argv: list[str]) -> int:
         credentials,
         HostPolicy(frozenset(h.lower() for h in args.allowed_host)),
         log_level=args.log_level,
+        max_body_bytes=args.max_body_bytes,
     )
     shown = f"[{args.host}]" if ":" in args.host else args.host
     log.info(
         "moetray engine listening on http://%s:%d (model loads in the background; see /health)", shown, port
     )
+    forget_on_signal(credentials)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn already shut down gracefully, then re-raised the signal
         log.info("stopped by Ctrl-C")
+    finally:
+        credentials.forget()
     return 0

@@ -5,8 +5,9 @@ drain (bounded wait for the requests in flight to finish) → abort whatever is 
 cancelled at its next step boundary) and wait for the abort barrier (bounded) → gate
 ``seal`` (the totals are fixed once; a retry gets the identical value) → the receipt is
 made durable by ``outbox.finish_stop`` (persist first, then the reply is the signal) → the
-reply carries the receipt. A retried stop returns the same receipt, and the outbox
-directory holds one file for it.
+reply carries the receipt, and counts the requests that were in flight when the stop began:
+``drained`` (finished on their own) and ``aborted`` (cancelled after the drain timed out).
+A retried stop returns the same receipt and counts, and the outbox directory holds one file.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ async def prepare_stop(
     """Stop the engine's work and return the receipt body; raises the gate's / outbox's refusals."""
     with engine.lock:
         engine.gate.begin_stop()  # StopRefused("rebuild_in_progress"): nothing changed
+        in_flight = sum(1 for rec in engine.registry.values() if not rec.done)
     drain = DEFAULT_DRAIN_TIMEOUT_S if drain_timeout_s is None else max(float(drain_timeout_s), 0.0)
     drained = await engine.wait_idle(drain)
     aborted = 0
@@ -51,11 +53,14 @@ async def prepare_stop(
         activity = engine.activity()
         active = activity.pending_prefill + activity.running_decode + activity.undrained_replies
         sealed = engine.gate.seal(active, had_identities=True, snapshot=engine.sealed_accounting)
+    if engine.stop_counts is None:  # the first stop that sealed fixes them; retries repeat them
+        engine.stop_counts = {"drained": max(in_flight - aborted, 0), "aborted": aborted}
     receipt = Receipt.from_sealed(engine.identity, sealed)
     # In an HTTP server the reply is the signal: the receipt is on disk before we answer.
     finish_stop(receipt, persist=outbox.persist, signal=lambda r: None)
     log.info("stopped: receipt %s (%s), %d aborted", receipt.id, receipt.status.value, aborted)
     body = sealed.to_json()
+    body.update(engine.stop_counts)
     body.update(
         {
             "receipt": receipt.to_json(),

@@ -38,14 +38,26 @@ class GateState(StrEnum):
     FAILED = "failed"  # latched; only a restart clears it
 
 
-class AdmissionClosed(Exception):
-    """A request arrived while the gate does not admit; ``.kind`` is the state's wire name."""
+ADMISSION_KINDS: dict[GateState, str] = {
+    GateState.LOADING: "loading",
+    GateState.REBUILDING: "rebuilding",
+    GateState.STOPPING: "engine_stopping",  # nothing will ever be admitted again: never retry
+    GateState.FAILED: "failed",
+}
 
-    KINDS = tuple(s.value for s in GateState if s is not GateState.SERVING)
+
+class AdmissionClosed(Exception):
+    """A request arrived while the gate does not admit; ``.kind`` names why (``ADMISSION_KINDS``).
+
+    ``loading``, ``rebuilding`` and ``failed`` are the state's wire name; a stopping (or
+    stopped) engine refuses with ``engine_stopping``, which never succeeds on a retry.
+    """
+
+    KINDS = tuple(ADMISSION_KINDS.values())
 
     def __init__(self, state: GateState) -> None:
         self.state = state
-        self.kind: str = state.value
+        self.kind: str = ADMISSION_KINDS[state]
         super().__init__(f"server unavailable: engine is {state.value}")
 
 
@@ -53,11 +65,11 @@ class RebuildRefused(Exception):
     """The gate will not start a rebuild from its current state.
 
     ``.kind`` is ``not_ready`` (still loading: retry after load), ``latched`` (failed:
-    never retry) or ``busy`` (another rebuild or a stop holds the gate: retry soon).
-    ``.state`` names the state that refused.
+    never retry), ``busy`` (another rebuild holds the gate: retry soon) or
+    ``engine_stopping`` (stopping or stopped: never retry). ``.state`` names the state that refused.
     """
 
-    KINDS = ("not_ready", "latched", "busy")
+    KINDS = ("not_ready", "latched", "busy", "engine_stopping")
 
     def __init__(self, kind: str, state: GateState) -> None:
         assert kind in self.KINDS, kind
@@ -184,7 +196,7 @@ class MaintenanceGate:
 
         Only from ``serving``. Refuses, changing nothing, with ``RebuildRefused``:
         ``not_ready`` while loading, ``latched`` when failed, ``busy`` while another
-        rebuild or a stop holds the gate.
+        rebuild holds the gate, ``engine_stopping`` once a stop began.
         """
         state = self._state
         if state is GateState.SERVING:
@@ -194,6 +206,8 @@ class MaintenanceGate:
             raise RebuildRefused("not_ready", state)
         if state is GateState.FAILED:
             raise RebuildRefused("latched", state)
+        if state is GateState.STOPPING:
+            raise RebuildRefused("engine_stopping", state)
         raise RebuildRefused("busy", state)
 
     def rebuild_never_dispatched(self) -> None:

@@ -72,6 +72,8 @@ REFUSALS: dict[str, Refusal] = {
     "loading": Refusal(503, Retry.LATER, "The model is still loading."),
     "rebuilding": Refusal(503, Retry.NOW, "The memory pools are being re-split; retry in a moment."),
     "stopping": Refusal(503, Retry.NEVER, "The engine is stopping."),
+    # New work or a re-split asked of a stopping or stopped engine: nothing will succeed there.
+    "engine_stopping": Refusal(409, Retry.NEVER, "The engine is stopping; start it again for new work."),
     "failed": Refusal(503, Retry.NEVER, "The engine failed and must be restarted."),
     # Rebuild gate (`RebuildRefused.kind`) and arithmetic (`RebuildRejected.kind`).
     "not_ready": Refusal(503, Retry.LATER, "The engine is not serving yet."),
@@ -98,10 +100,39 @@ REFUSALS: dict[str, Refusal] = {
     "not_found": Refusal(404, Retry.NEVER, "No such object."),
     "unauthorized": Refusal(401, Retry.NEVER, "Missing or wrong credentials."),
     "forbidden_host": Refusal(403, Retry.NEVER, "Unknown Host header (DNS rebinding guard)."),
+    "method_not_allowed": Refusal(405, Retry.NEVER, "That route does not take this method."),
+    "request_too_large": Refusal(413, Retry.NEVER, "The request body is larger than this engine accepts."),
+    "unsupported_media_type": Refusal(415, Retry.NEVER, "Request bodies must be JSON (application/json)."),
+    "internal_error": Refusal(500, Retry.NEVER, "Internal error; the log has its id."),
 }
 
 RETRY_AFTER_S = 1
 """`Retry-After` seconds sent with every `Retry.NOW` refusal."""
+RETRY_AFTER_LATER_S: dict[str, int] = {"loading": 2, "not_ready": 2}
+"""`Retry-After` seconds for the `Retry.LATER` refusals whose state change is worth polling for
+(the model finishing its load); other `later` refusals wait for something a poll cannot hurry."""
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+"""Largest request body `moetray serve` reads (`--max-body-bytes`); larger ones are 413 before parsing."""
+
+TIMEOUT_LIMITS_S: dict[str, tuple[float, float]] = {
+    "idle_timeout_s": (0.0, 3600.0),  # rebuild: wait for running requests (0: do not wait)
+    "txn_timeout_s": (1.0, 3600.0),  # rebuild: wait for the destructive step's outcome
+    "drain_timeout_s": (0.0, 3600.0),  # prepare-stop: let running requests finish
+    "abort_timeout_s": (0.5, 600.0),  # prepare-stop: wait for aborted requests to let go
+}
+"""(minimum, maximum) seconds of every client-supplied timeout; outside them the request is a 400."""
+
+
+def retry_after_s(kind: str) -> int | None:
+    """The `Retry-After` seconds a refusal of ``kind`` carries, or None (no header): every
+    ``now`` refusal, and the ``later`` ones named in ``RETRY_AFTER_LATER_S``."""
+    refusal = refusal_for(kind)
+    if refusal.retry is Retry.NOW:
+        return RETRY_AFTER_S
+    if refusal.retry is Retry.LATER:
+        return RETRY_AFTER_LATER_S.get(kind)
+    return None
 
 
 def refusal_for(kind: str) -> Refusal:
@@ -165,6 +196,14 @@ class LoadProgress(TypedDict):
     total: int | None
 
 
+class Heartbeat(TypedDict):
+    """The batch loop's pulse: a busy engine whose steps advance is slow, not hung."""
+
+    steps: int  # batch steps taken since the KV pool was (re)built
+    age_s: float | None  # seconds since the latest step; None before the first
+    busy: bool  # requests are in flight (an idle loop takes no steps and is not hung)
+
+
 class Health(TypedDict, total=False):
     """``GET /health`` (no auth): the one route that answers while the model loads."""
 
@@ -173,6 +212,7 @@ class Health(TypedDict, total=False):
     error: str  # why the engine failed; present once it has
     error_kind: str | None  # that failure's snake_case kind when it was a refusal by name
     model: str  # the served model's id, once loaded
+    heartbeat: Heartbeat  # present once the batch loop runs
 
 
 class ModelInfo(TypedDict):
@@ -212,6 +252,7 @@ class PoolInfo(TypedDict):
     limits: dict[str, dict[str, int]]  # {"moe_slots": {"min", "max"}, "kv_pages": {...}}
     kv_pages_used: int | None  # excludes evictable prefix pages
     kv_pages_evictable: int | None
+    live_bytes: dict[str, int | None]  # {"moe_slots", "kv_pages"}: bytes each live pool holds, measured
 
 
 class ExpertStats(TypedDict):

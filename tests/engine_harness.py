@@ -32,6 +32,7 @@ class LiveEngine:
         allowed_hosts: tuple[str, ...] = (),
         wait: bool = True,
         load: bool = True,
+        max_body_bytes: int | None = None,
         **options,
     ) -> None:
         defaults = dict(
@@ -52,6 +53,7 @@ class LiveEngine:
             HostPolicy(frozenset(allowed_hosts)),
             log_level="warning",
             load_on_startup=load,
+            **({} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}),
         )
         sock = bind_socket("127.0.0.1", 0)
         self.port = sock.getsockname()[1]

@@ -14,28 +14,42 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
-from moetray.engine.api.errors import ApiError
+from moetray.engine.api.errors import ApiError, refusal_headers
 from moetray.engine.core import Engine
 from moetray.engine.rebuild import TXN_TIMEOUT_S, run_rebuild
 from moetray.engine.stop import prepare_stop
 from moetray.policy.outbox import FileOutbox
-from moetray.policy.wire import EVENTS_INTERVAL_S, RETRY_AFTER_S, SNAPSHOT_EVENT, Retry
+from moetray.policy.wire import EVENTS_INTERVAL_S, SNAPSHOT_EVENT, TIMEOUT_LIMITS_S
+
+
+def timeout_field(name: str, default: float | None, what: str):
+    """A client-supplied timeout bounded by ``wire.TIMEOUT_LIMITS_S`` (outside them: 400)."""
+    low, high = TIMEOUT_LIMITS_S[name]
+    return Field(default=default, ge=low, le=high, description=f"{what}; {low:g} to {high:g} seconds")
 
 
 class RebuildBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     moe_slots: StrictInt | None = Field(default=None, ge=0)
     kv_tokens: StrictInt | None = Field(default=None, ge=0)
-    idle_timeout_s: float | None = Field(default=None, ge=0.0, le=3600.0)
-    txn_timeout_s: float = Field(default=TXN_TIMEOUT_S, gt=0.0, le=3600.0)
+    idle_timeout_s: StrictFloat | None = timeout_field(
+        "idle_timeout_s", None, "how long to wait for running requests (default: the engine's)"
+    )
+    txn_timeout_s: StrictFloat = timeout_field(
+        "txn_timeout_s", TXN_TIMEOUT_S, "how long the reply waits for the re-split itself"
+    )
 
 
 class StopBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    drain_timeout_s: float | None = Field(default=None, ge=0.0, le=3600.0)
-    abort_timeout_s: float | None = Field(default=None, ge=0.0, le=3600.0)
+    drain_timeout_s: StrictFloat | None = timeout_field(
+        "drain_timeout_s", None, "how long running requests may finish before they are aborted"
+    )
+    abort_timeout_s: StrictFloat | None = timeout_field(
+        "abort_timeout_s", None, "how long aborted requests have to let go of the batch loop"
+    )
 
 
 def build_router(
@@ -86,10 +100,9 @@ def build_router(
             idle_timeout_s=body.idle_timeout_s,
             txn_timeout_s=body.txn_timeout_s,
         )
-        headers = None
-        if status_code in (409, 503) and payload.get("error", {}).get("retry") == Retry.NOW.value:
-            headers = {"Retry-After": str(RETRY_AFTER_S)}
-        return JSONResponse(payload, status_code=status_code, headers=headers)
+        kind = payload.get("error", {}).get("kind") if status_code >= 400 else None
+        headers = refusal_headers(kind) if kind else None
+        return JSONResponse(payload, status_code=status_code, headers=headers or None)
 
     @router.post("/admin/prepare-stop")
     async def stop(body: StopBody | None = None) -> dict[str, Any]:

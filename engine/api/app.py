@@ -1,25 +1,40 @@
-"""The FastAPI application: routes, the security middleware and the error handlers.
+"""The FastAPI application: routes, the guarding middleware and the error handlers.
 
 ``build_app(engine, credentials, host_policy)`` assembles the OpenAI routes and the admin
-routes over one ``Engine``. A pure ASGI middleware runs before any route: it rejects an
-unknown ``Host`` header (DNS rebinding, 403), then checks the API key on ``/v1/*`` and the
-admin token on ``/admin/*`` (401). No CORS middleware is installed: browsers get no
-``Access-Control-Allow-Origin`` at all, never a wildcard.
+routes over one ``Engine``. Pure ASGI middleware decides before any route, outermost first:
+
+1. ``SecurityMiddleware``: an unknown ``Host`` header is a 403 (DNS rebinding); ``/v1/*``
+   needs the API key and ``/admin/*`` the admin token (401);
+2. ``BodyGuard`` (``bodies.py``): body size (413), media type (415) and strict JSON (400),
+   before anything is parsed;
+3. ``ReadinessGuard``: while the model loads (or after a failed load) ``/v1/*`` is a 503 with
+   ``Retry-After`` and the load progress, ``/v1/models`` included, so a client probing it
+   never mistakes a loading engine for a ready one.
+
+A known route asked with the wrong method is a 405 with ``Allow``; an unknown path a JSON
+404; any exception nobody named a JSON 500 with an id that is also in the log. No CORS
+middleware is installed: browsers get no ``Access-Control-Allow-Origin``, never a wildcard.
+The OpenAPI schema is completed by ``openapi.py``.
 """
 
 from __future__ import annotations
 
-import json
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moetray.engine.api.errors import exception_response, refusal_response
+from moetray.engine.api.bodies import BodyGuard
+from moetray.engine.api.errors import (
+    exception_response,
+    internal_error_response,
+    refusal_response,
+    send_refusal,
+)
 from moetray.engine.api.security import Credentials, HostPolicy
 from moetray.engine.core import Engine
-from moetray.policy.wire import error_body, refusal_for
+from moetray.policy.wire import DEFAULT_MAX_BODY_BYTES
 
 
 class SecurityMiddleware:
@@ -48,18 +63,35 @@ class SecurityMiddleware:
         if refusal is None:
             return await self.app(scope, receive, send)
         kind, message = refusal
-        body = json.dumps(error_body(kind, message)).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": refusal_for(kind).status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        challenge = {"WWW-Authenticate": "Bearer"} if kind == "unauthorized" else None
+        await send_refusal(send, kind, message, headers=challenge)
+
+
+def load_message(engine: Engine) -> str:
+    """What a client asking ``/v1/*`` during the load is told: the stage and how far it got."""
+    progress = engine.load_progress or {}
+    stage = progress.get("stage") or "starting"
+    done, total = progress.get("done"), progress.get("total")
+    counted = f" ({done}/{total})" if total else ""
+    return f"the model is still loading: {stage}{counted}; poll /health or retry after Retry-After"
+
+
+class ReadinessGuard:
+    """``/v1/*`` answers only once a model is loaded: 503 ``loading`` (``Retry-After``) or ``failed``."""
+
+    def __init__(self, app, engine: Engine) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+            state = self.engine.gate.state.value
+            if state == "loading":
+                return await send_refusal(send, "loading", load_message(self.engine))
+            if state == "failed" and self.engine.loaded is None:
+                reason = self.engine.load_error or "unknown reason"
+                return await send_refusal(send, "failed", f"the model failed to load: {reason}")
+        return await self.app(scope, receive, send)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -98,11 +130,17 @@ def refusal_classes() -> tuple[type[Exception], ...]:
 
 
 def build_app(
-    engine: Engine, credentials: Credentials, hosts: HostPolicy, *, load_on_startup: bool = True
+    engine: Engine,
+    credentials: Credentials,
+    hosts: HostPolicy,
+    *,
+    load_on_startup: bool = True,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The engine's HTTP application (the model loads on startup unless told otherwise)."""
     from moetray.engine.api.admin_routes import build_router as admin_router
     from moetray.engine.api.openai_routes import build_router as openai_router
+    from moetray.engine.api.openapi import document
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -127,8 +165,21 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
-        kind = {404: "not_found", 401: "unauthorized"}.get(exc.status_code, "invalid_request_error")
-        return refusal_response(kind, str(exc.detail))
+        kind = {404: "not_found", 401: "unauthorized", 405: "method_not_allowed"}.get(
+            exc.status_code, "invalid_request_error"
+        )
+        message = str(exc.detail)
+        if kind == "not_found":
+            message = f"no route {request.url.path}"
+        elif kind == "method_not_allowed":
+            message = (
+                f"{request.method} is not allowed on {request.url.path} (Allow: {exc.headers.get('Allow')})"
+            )
+        return refusal_response(kind, message, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        return internal_error_response(exc)
 
     async def on_refusal(request: Request, exc: Exception):
         return exception_response(exc)
@@ -138,5 +189,9 @@ def build_app(
 
     app.include_router(openai_router(engine))
     app.include_router(admin_router(engine))
+    # add_middleware puts each one outside the ones before it: security runs first.
+    app.add_middleware(ReadinessGuard, engine=engine)
+    app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes)
     app.add_middleware(SecurityMiddleware, credentials=credentials, hosts=hosts)
+    document(app, credentials)
     return app

@@ -18,10 +18,12 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.background import BackgroundTask
 
 from moetray.engine.api.errors import ApiError
+from moetray.engine.api.fields import whole_int
+from moetray.engine.api.prompts import chat_prompt, text_prompt
 from moetray.engine.budget import MAX_TOKENS_CEILING
 from moetray.engine.cb import Sampling
 from moetray.engine.chat import ChatDelta, TextStream
@@ -66,10 +68,10 @@ class SamplingFields(BaseModel):
     model: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_CEILING)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: StrictInt | None = None
+    max_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: whole_int(-(1 << 63), (1 << 63) - 1) | None = None
     stop: StrictStr | list[StrictStr] | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)
     # vLLM's extension: generate exactly max_tokens, past EOS and the end-of-turn marker.
@@ -82,7 +84,7 @@ class SamplingFields(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_CEILING)
+    max_completion_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
     tools: list[Tool] | None = None
     tool_choice: Any = None
     reasoning_effort: StrictStr | None = None
@@ -258,13 +260,7 @@ def build_router(engine: Engine) -> APIRouter:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         template_kwargs = chat.template_kwargs(body.reasoning_effort, body.chat_template_kwargs)
-        try:
-            prompt_text = chat.render(messages, tools=tools, **template_kwargs)
-        except Exception as exc:
-            raise ApiError(
-                "invalid_request_error", f"the chat template rejected these messages: {exc}", param="messages"
-            ) from exc
-        prompt_ids = chat.encode(prompt_text)
+        prompt_text, prompt_ids = await chat_prompt(engine, chat, messages, tools, template_kwargs)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_new = engine.fit_max_tokens(len(prompt_ids), requested)
         stops = _stops(body.stop) if body.ignore_eos else chat.stop_strings(_stops(body.stop))
@@ -297,7 +293,7 @@ def build_router(engine: Engine) -> APIRouter:
                 raise ApiError("invalid_request_error", "one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = chat.encode(prompt)
+            prompt_ids = await text_prompt(engine, chat, prompt)
         else:
             vocab = len(chat.tokenizer)
             if any(t < 0 or t >= vocab for t in prompt):

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "demo": "moetray.engine.bench.demo_quality",  # demo model perplexity and chat answers
     "radix_cost": "moetray.engine.bench.radix_cost",  # radix verbs' cost as the tree grows
     "ui": "moetray.engine.bench.ui",  # the tray process's RSS and CPU, measured from outside
+    "fuzz": "moetray.engine.bench.fuzz",  # schemathesis against the OpenAPI schema, every check
 }
 
 

@@ -361,7 +361,9 @@ class SchedulerHooks:
 
     def before_step(self) -> None:
         """Test hook: hold every step for ``step_delay_s`` (sleeping), so requests last long enough
-        to be cancelled, drained or waited on in tests. Zero (the default) costs nothing."""
+        to be cancelled, drained or waited on in tests. Zero (the default) costs nothing. Each step
+        is also the batch loop's heartbeat (``BatchRunner.beat``)."""
+        self._runner.beat()
         delay = self._runner.config.step_delay_s
         if delay > 0:
             time.sleep(delay)

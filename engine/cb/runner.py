@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -131,6 +132,13 @@ class BatchRunner:
         self._cached_tokens: dict[str, int] = {}
         self._handlers: dict[str, Handler] = {}
         self._lock = threading.Lock()
+        self.steps = 0  # batch steps taken: the loop's heartbeat
+        self.last_step_at: float | None = None  # time.monotonic() of the latest step
+
+    def beat(self) -> None:
+        """The generation thread is about to run a step (called from the scheduler hooks)."""
+        self.steps += 1
+        self.last_step_at = time.monotonic()
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -323,6 +331,13 @@ class BatchRunner:
     @property
     def page_size(self) -> int:
         return self.config.page_size
+
+    def pool_bytes(self) -> int | None:
+        """Bytes the live KV pool's cache tensor holds (measured, not priced); None when stopped."""
+        processor = self.manager.batch_processor if self.manager else None
+        if processor is None:
+            return None
+        return int(processor.cache.cache_tensor.nbytes)
 
     @property
     def ledger(self) -> BlockLedger | None:

@@ -71,8 +71,9 @@ def test_serve_comes_up_before_the_model_and_writes_a_private_token_file(tiny_qw
             assert health["load_progress"]["stage"]
             time.sleep(0.05)
         assert states[-1] == "serving", states
-        token_file = tmp_path / "run" / "moetray" / f"engine-{port}.token"
+        token_file = tmp_path / "run" / "moetray" / f"engine-{port}.{proc.pid}.token"
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(token_file.parent.stat().st_mode) == 0o700
         token = token_file.read_text().strip()
         ok = httpx.get(f"http://127.0.0.1:{port}/admin/status", headers={"Authorization": f"Bearer {token}"})
         assert ok.status_code == 200 and ok.json()["pools"]["kv_tokens"] == 1024
@@ -83,6 +84,88 @@ def test_serve_comes_up_before_the_model_and_writes_a_private_token_file(tiny_qw
         out, _ = proc.communicate(timeout=30)
     assert str(token_file) in out  # the path is logged at start…
     assert token not in out  # …the token itself never is
+    assert not token_file.exists()  # removed at a clean exit (SIGTERM)
+
+
+def _spawn_stopped(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start ``cmd`` in a process that stops itself (SIGSTOP) before it execs: its PID is known
+    before the engine runs a line, so a test can plant files named after it, then SIGCONT."""
+    shim = ("import os, signal, sys; os.kill(os.getpid(), signal.SIGSTOP); "
+            "os.execv(sys.executable, sys.argv[1:])")
+    proc = subprocess.Popen([sys.executable, "-c", shim, *cmd], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{proc.pid}/stat").read_text().split(") ", 1)[1][0] != "T":
+        assert time.monotonic() < deadline, "the shim never stopped itself"
+        time.sleep(0.01)
+    return proc
+
+
+def test_a_planted_symlink_never_receives_the_admin_token_and_stale_tokens_go(tiny_qwen3, tmp_path):
+    """Defect 6: the token was written through a predictable temporary name opened without
+    O_EXCL/O_NOFOLLOW, so a symlink planted there made the engine write its admin token into
+    the file the link pointed at; token files of killed engines stayed forever; the API key
+    was on the command line."""
+    port = free_port()
+    env = child_env(tmp_path)
+    tokens = tmp_path / "run" / "moetray"
+    tokens.mkdir(mode=0o755)  # too open: the engine tightens its own directory to 0700
+    stale = tokens / f"engine-{free_port()}.999999999.token"  # no process has this PID
+    stale.write_text("old\n")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    key_file = tmp_path / "api.key"
+    key_file.write_text("sk-from-a-file\n")
+    cmd = [sys.executable, "-m", "moetray.app.cli", "serve", "--model", str(tiny_qwen3), "--port", str(port),
+           "--budget-bytes", "256M", "--kv-tokens", "1024", "--threads", "1", "--outbox-dir",
+           str(tmp_path / "out"), "--api-key-file", str(key_file)]
+    proc = _spawn_stopped(cmd, env)
+    try:
+        # Every name the engine could write its token through points at the victim.
+        for name in (f".engine-{port}.token.{proc.pid}.tmp", f"engine-{port}.{proc.pid}.token",
+                     f"engine-{port}.token"):
+            (tokens / name).symlink_to(victim)
+        os.kill(proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["state"] == "serving":
+                    break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.05)
+        assert victim.read_text() == "precious\n"
+        token_file = tokens / f"engine-{port}.{proc.pid}.token"
+        assert not token_file.is_symlink() and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(tokens.stat().st_mode) == 0o700
+        assert not stale.exists()  # its PID is dead
+        token = token_file.read_text().strip()
+        admin = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(f"http://127.0.0.1:{port}/admin/status", headers=admin).status_code == 200
+        v1 = f"http://127.0.0.1:{port}/v1/models"
+        assert httpx.get(v1).status_code == 401
+        assert httpx.get(v1, headers={"Authorization": "Bearer sk-from-a-file"}).status_code == 200
+        assert "sk-from-a-file" not in " ".join(proc.args)
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert not token_file.exists()  # removed at a clean exit (SIGINT)
+
+
+def test_the_api_key_flag_warns_that_other_users_can_read_it(tiny_qwen3, tmp_path):
+    with socket.socket() as taken:  # the port is busy, so the engine warns and exits at once
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        cmd = [sys.executable, "-m", "moetray.app.cli", "serve", "--model", str(tiny_qwen3),
+               "--port", str(taken.getsockname()[1]), "--api-key", "sk-visible"]
+        done = subprocess.run(cmd, env=child_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "other users can read it" in done.stderr
 
 
 def test_serve_refuses_a_network_bind_without_an_api_key(tiny_qwen3, tmp_path):

@@ -38,11 +38,16 @@ def test_stop_retried_three_times_returns_one_receipt_and_one_file(tiny_qwen3, s
     files = sorted(p.name for p in outbox.iterdir())
     assert files == [f"{body['receipt_id']}.json"]  # no temp file left, no second file
     assert json.loads((outbox / files[0]).read_text()) == body["receipt"]
-    # admission is closed for good, and a re-split is refused while stopping
+    assert (body["drained"], body["aborted"]) == (0, 0)  # nothing was in flight
+    # Issue 11, defect 4: admission is closed for good and a re-split is refused, both by a kind
+    # that says never retry (a re-split used to be 409 "busy", retry "now": it never succeeds).
     g = httpx.post(f"{engine.url}/v1/completions", json={"prompt": "x"}, timeout=10)
-    assert g.status_code == 503 and g.json()["error"]["kind"] == "stopping"
     rb = httpx.post(f"{engine.url}/admin/cache/rebuild", headers=ADMIN, json={"kv_tokens": 1024})
-    assert rb.status_code == 409 and rb.json()["error"]["kind"] == "busy"
+    for refused in (g, rb):
+        assert refused.status_code == 409, refused.text
+        err = refused.json()["error"]
+        assert (err["kind"], err["retry"]) == ("engine_stopping", "never")
+        assert "Retry-After" not in refused.headers
 
 
 def test_stop_drains_running_requests_before_sealing(tiny_qwen3, start_engine):
@@ -68,6 +73,7 @@ def test_stop_drains_running_requests_before_sealing(tiny_qwen3, start_engine):
     reply = result["r"].json()
     assert reply["choices"][0]["finish_reason"] == "length"  # it ran to completion: drained, not aborted
     assert r.json()["completion_tokens_total"] == reply["usage"]["completion_tokens"] == 20
+    assert (r.json()["drained"], r.json()["aborted"]) == (1, 0)
 
 
 def test_stop_aborts_what_does_not_drain_in_time(tiny_qwen3, start_engine):
@@ -95,6 +101,7 @@ def test_stop_aborts_what_does_not_drain_in_time(tiny_qwen3, start_engine):
     assert r.status_code == 200
     assert chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
     assert r.json()["completion_tokens_total"] < 800
+    assert (r.json()["drained"], r.json()["aborted"]) == (0, 1)
     assert engine.engine.runner.kv_stats().used == 0
 
 

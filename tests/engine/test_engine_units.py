@@ -80,7 +80,7 @@ def test_admin_token_file_handover(tmp_path):
 
 def test_a_generated_admin_token_is_written_owner_only(tmp_path):
     creds = load_credentials(api_key=None, port=4242, env={}, token_dir=tmp_path)
-    assert creds.token_file == tmp_path / "engine-4242.token"
+    assert creds.token_file == tmp_path / f"engine-4242.{os.getpid()}.token"
     assert creds.token_file.read_text().strip() == creds.admin_token
     assert stat.S_IMODE(os.stat(creds.token_file).st_mode) == 0o600
     assert len(creds.admin_token) >= 32

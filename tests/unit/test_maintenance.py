@@ -151,7 +151,7 @@ def test_late_rebuild_outcome_cannot_resurrect_a_latch():
         (lambda g: None, "not_ready"),  # still loading
         (lambda g: g.latch_failed(), "latched"),
         (lambda g: (g.finish_loading(True), g.begin_rebuild()), "busy"),
-        (lambda g: (g.finish_loading(True), g.begin_stop()), "busy"),
+        (lambda g: (g.finish_loading(True), g.begin_stop()), "engine_stopping"),  # never retried
     ],
     ids=["loading", "failed", "rebuilding", "stopping"],
 )

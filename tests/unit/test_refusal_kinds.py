@@ -49,10 +49,12 @@ def test_every_declared_kind_is_mapped():
     assert unmapped == []
 
 
-def test_admission_kinds_are_the_closed_gate_states():
-    """AdmissionClosed's kind is the state's value: every closed state needs its own mapping."""
-    closed = {s.value for s in maintenance.GateState} - {"serving"}
-    assert set(maintenance.AdmissionClosed.KINDS) == closed
+def test_admission_kinds_cover_every_closed_gate_state():
+    """Every closed state refuses by its own name; a stopping engine's is never retried (issue 11)."""
+    closed = set(maintenance.GateState) - {maintenance.GateState.SERVING}
+    assert set(maintenance.ADMISSION_KINDS) == closed
+    assert set(maintenance.AdmissionClosed.KINDS) == set(maintenance.ADMISSION_KINDS.values())
+    assert REFUSALS[maintenance.ADMISSION_KINDS[maintenance.GateState.STOPPING]].retry.value == "never"
 
 
 def test_every_failed_rebuild_outcome_is_mapped():

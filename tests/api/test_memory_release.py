@@ -1,0 +1,68 @@
+"""Issue 11, defect 2: the KV pool a re-split retires is unmapped and its memory returned.
+
+The startup pool used to be built before ``gc.freeze()``; the batch manager is a reference
+cycle, a frozen cycle is never collected, so after the first re-split that pool stayed mapped
+for the life of the process. Here each pool is filled (every page touched, as after long
+traffic), then re-split away, and ``/proc/self/smaps`` and RSS must show it gone.
+"""
+
+from __future__ import annotations
+
+import httpx
+import psutil
+from engine_harness import ADMIN
+
+PAGE = 4096
+
+
+def mappings_of(size: int) -> int:
+    """How many mappings of this process are exactly ``size`` bytes (page-rounded)."""
+    want = -(-size // PAGE) * PAGE
+    count = 0
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                count += hi - lo == want
+    return count
+
+
+def fill_and_measure(engine) -> tuple[int, int]:
+    """Serve a little traffic, touch every page of the live KV pool; returns (pool bytes, RSS)."""
+    for _ in range(2):
+        body = {"prompt": "memory is returned " * 20, "max_tokens": 4}
+        assert httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60).status_code == 200
+    engine.wait_idle()
+    runner = engine.engine.runner
+    with runner.paused():
+        runner.manager.batch_processor.cache.cache_tensor.fill_(1)
+    live = engine.status()["pools"]["live_bytes"]["kv_pages"]
+    assert live == runner.manager.batch_processor.cache.cache_tensor.nbytes
+    return live, psutil.Process().memory_info().rss
+
+
+def resplit(engine, kv_tokens: int) -> None:
+    body = {"kv_tokens": kv_tokens}
+    r = httpx.post(f"{engine.url}/admin/cache/rebuild", headers=ADMIN, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_a_retired_kv_pool_is_unmapped_and_rss_returns_after_every_resplit(tiny_qwen3, start_engine):
+    engine = start_engine(tiny_qwen3, budget_bytes=1 << 30, kv_tokens=131072)
+    big, small = 131072, 65536
+    startup_bytes, rss_full = fill_and_measure(engine)
+    assert mappings_of(startup_bytes) == 1
+    resplit(engine, small)
+    assert mappings_of(startup_bytes) == 0, "the startup pool is still mapped after its re-split"
+    rss_after = psutil.Process().memory_info().rss
+    assert rss_full - rss_after >= 0.8 * startup_bytes, (rss_full, rss_after, startup_bytes)
+    small_bytes, rss_small = fill_and_measure(engine)
+    for _ in range(3):  # any number of re-splits with traffic between: nothing accumulates
+        resplit(engine, big)
+        assert mappings_of(small_bytes) == 0
+        fill_and_measure(engine)
+        resplit(engine, small)
+        assert mappings_of(startup_bytes) == 0
+        _, rss = fill_and_measure(engine)
+        assert rss <= 1.15 * rss_small, (rss, rss_small)
