@@ -98,10 +98,12 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        # The scale is kept in bfloat16 (the kernel's dtype): round against the stored scale.
+        scale = (weight.abs().amax(dim=1).clamp_min(1e-30) / 127.0).to(torch.bfloat16)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8))
-        self.register_buffer("qscale", scale.to(torch.bfloat16))
+        q = torch.round(weight / scale.float()[:, None]).clamp_(-127, 127)
+        self.register_buffer("qweight", q.to(torch.int8))
+        self.register_buffer("qscale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
                                                                   requires_grad=False)
 
