@@ -1,7 +1,7 @@
 """`moetray bench decode`: where decode time goes, per weight format, against the memory bound.
 
 One process hosts one served engine per weight format (``--dtype``, default
-``float32,bfloat16,float16``; ``int8`` adds weight-only int8), each behind its own HTTP
+``float32,bfloat16,int8``; ``float16`` too where the CPU computes it), each behind its own HTTP
 server on loopback exactly as ``moetray serve`` builds it, every expert resident. A separate
 client process (:mod:`moetray.engine.bench.loadgen`) streams greedy chat completions of
 ``--max-tokens`` tokens at concurrency 1, 4 and 8 (``--batch``); formats (and peers, below)
@@ -46,7 +46,7 @@ from typing import Any
 from moetray.engine import serve as _serve  # noqa: F401 - sets OMP_WAIT_POLICY before torch loads
 
 GB = 1e9
-DEFAULT_FORMATS = "float32,bfloat16,float16"
+DEFAULT_FORMATS = "float32,bfloat16,int8"
 
 
 def _progress(msg: str) -> None:
@@ -167,12 +167,73 @@ class ServedEngine:
         self.engine.shutdown()
 
 
+class LlamaServer:
+    """llama.cpp's OpenAI-compatible server (llama-cpp-python's ``llama_cpp.server``) on one GGUF
+    file, as a child process in its own session: the engine a user would otherwise run."""
+
+    def __init__(self, label: str, gguf: Path, *, threads: int, ctx: int = 4096) -> None:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.label, self.url, self.model = label, f"http://127.0.0.1:{port}", label
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", label,
+               "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
+               "--host", "127.0.0.1", "--port", str(port), "--verbose", "False"]
+        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"moetray-bench-llama-{port}.log"
+        self._fh = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+
+    def as_target(self, eos_ids: tuple[int, ...]) -> dict[str, Any]:
+        """The round's target: llama.cpp's server has no ``ignore_eos``; a -100 bias on the end
+        tokens keeps its replies at ``max_tokens`` as moetray's are."""
+        return {"label": self.label, "url": self.url, "model": self.model, "server": self,
+                "extra": {"ignore_eos": None, "logit_bias": {str(t): -100.0 for t in eos_ids}}}
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama.cpp server exited ({self.proc.returncode}); see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"llama.cpp server not ready after {timeout:.0f}s; see {self.log}")
+
+    def rss_bytes(self) -> int | None:
+        import psutil
+
+        try:
+            return psutil.Process(self.proc.pid).memory_info().rss
+        except psutil.Error:
+            return None
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._fh.close()
+
+
 def run_client(url: str, model: str, *, concurrency: int, max_tokens: int, tag: str,
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+               extra: dict[str, Any] | None = None, warm_up: bool = True) -> dict[str, Any]:
     """One round of :mod:`moetray.engine.bench.loadgen` in its own process; its JSON result."""
     cmd = [sys.executable, "-m", "moetray.engine.bench.loadgen", "--url", url, "--model", model,
            "--concurrency", str(concurrency), "--requests", str(concurrency), "--max-tokens", str(max_tokens),
-           "--tag", tag, "--extra-json", json.dumps(extra or {})]
+           "--tag", tag, "--extra-json", json.dumps(extra or {})] + ([] if warm_up else ["--no-warm-up"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if done.returncode != 0:
@@ -197,19 +258,21 @@ def measure_round(target, label: str, *, batch: int, max_tokens: int, tag: str) 
 
     engine = isinstance(target, ServedEngine)
     url, model = (target.url, target.model_id()) if engine else (target["url"], target["model"])
-    proc = psutil.Process() if engine else None
+    server = target.get("server") if not engine else None
+    proc = psutil.Process() if engine else (psutil.Process(server.proc.pid) if server is not None else None)
     bd = target.breakdown if engine else None
     routed0 = None
+    cpu0 = proc.cpu_times() if proc is not None else None
     if engine:
         bd.reset()
         routed0 = bd_routed(target)
-        cpu0 = proc.cpu_times()
         gen0 = thread_cpu_seconds(bd.generation_thread) if bd.generation_thread else None
         loop0 = thread_cpu_seconds(target.loop_thread) if target.loop_thread else None
     t0 = time.perf_counter()
     client = run_client(url, model, concurrency=batch, max_tokens=max_tokens, tag=tag,
-                        extra=None if engine else target.get("extra"))
-    wall = time.perf_counter() - t0
+                        extra=None if engine else target.get("extra"), warm_up=False)
+    cpu1 = proc.cpu_times() if proc is not None else None
+    wall = client["wall_s"]  # the requests' window (the client's own start-up excluded)
     replies = client["requests"]
     decode_rates = [r for r in (_decode_tok_s(x) for x in replies) if r is not None]
     row: dict[str, Any] = {
@@ -217,17 +280,20 @@ def measure_round(target, label: str, *, batch: int, max_tokens: int, tag: str) 
         "aggregate_tok_s": client["aggregate_tok_s"],
         "request_decode_tok_s": statistics.median(decode_rates) if decode_rates else None,
         "ttft_ms": statistics.median(x["ttft_s"] for x in replies if x["ttft_s"] is not None) * 1e3,
-        "client_wall_s": client["wall_s"],
+        "round_wall_s": time.perf_counter() - t0,
     }
+    if cpu0 is not None:
+        busy_s = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+        row["threads_busy"] = busy_s / wall
+        row["server_cpu_ms_per_token"] = busy_s / max(1, client["tokens"]) * 1e3
+    if server is not None:
+        row["rss_bytes"] = server.rss_bytes()
     if engine:
-        cpu1 = proc.cpu_times()
         totals = bd.totals()
         gen1 = thread_cpu_seconds(bd.generation_thread) if bd.generation_thread else None
         loop1 = thread_cpu_seconds(target.loop_thread) if target.loop_thread else None
-        busy_s = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
         steps = totals.decode_steps
         row.update({
-            "threads_busy": busy_s / wall,
             "generation_thread_busy": None if gen0 is None or gen1 is None else (gen1 - gen0) / wall,
             "loop_thread_busy": None if loop0 is None or loop1 is None else (loop1 - loop0) / wall,
             "decode_steps": steps, "prefill_steps": totals.prefill_steps,
@@ -335,9 +401,45 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the engines")
     p.add_argument("--peer", action="append", default=[], metavar="LABEL=URL[@MODEL]",
                    help="an OpenAI-compatible server already running, measured in the same rounds")
+    p.add_argument("--llama", action="append", default=[], metavar="LABEL=FILE.gguf",
+                   help="serve this GGUF with llama.cpp (llama-cpp-python's server) in the same rounds; "
+                   "default with the demo model: the demo exported as F16 and Q8_0, where llama-cpp-python "
+                   "and the GGUF exporter are installed")
+    p.add_argument("--no-llama", action="store_true", help="no llama.cpp peer")
     p.add_argument("--no-quality", action="store_true", help="skip the logit comparison against float32")
     p.add_argument("--receipt", default="decode")
     return p
+
+
+def _llama_file(spec: str) -> tuple[str, Path]:
+    label, _, path = spec.partition("=")
+    return (label, Path(path)) if path else (f"llama.cpp {Path(label).stem}", Path(label))
+
+
+def _demo_llama_files(model_dir: Path) -> list[tuple[str, Path]]:
+    """The demo exported as F16 and Q8_0 GGUF (cached), for llama.cpp; none (with a message) where
+    llama-cpp-python's server or the exporter is missing."""
+    try:
+        import llama_cpp.server.app  # noqa: F401
+
+        from moetray.engine.models.gguf_export import export_gguf
+    except ImportError as exc:
+        _progress(f"no llama.cpp peer: {exc} (pip install 'llama-cpp-python[server]')")
+        return []
+    import platformdirs
+
+    out = platformdirs.user_cache_path("moetray") / "bench" / "demo-gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for qtype in ("F16", "Q8_0"):
+        dest = out / f"demo-{qtype}.gguf"
+        if not dest.exists():
+            _progress(f"exporting the demo as {qtype} GGUF")
+            tmp = dest.with_suffix(".partial.gguf")
+            export_gguf(model_dir, tmp, qtype, output_weight=True, gate_floor=1e-30)
+            tmp.rename(dest)
+        files.append((f"llama.cpp {qtype}", dest))
+    return files
 
 
 def _peers(specs: list[str]) -> list[dict[str, Any]]:
@@ -359,24 +461,41 @@ def main(argv: list[str]) -> int:
     formats = [f.strip() for f in args.dtype.split(",") if f.strip()]
     batches = [int(b) for b in args.batch.split(",")]
     peers = _peers(args.peer)
+    llama_files = [_llama_file(spec) for spec in args.llama]
     model_dir = args.model
     if model_dir is None:
         from moetray.engine.demo import ensure_demo_model
 
         model_dir = ensure_demo_model()
+    from moetray.engine.models.precision import resolve_format
+
+    served_auto = resolve_format("auto", model_dir, torch.device("cpu")).weights
     _progress(f"memory bandwidth ({args.threads} threads)")
     bw = read_bandwidth_gbs()
     _progress(f"    {bw:.1f} GB/s")
 
+    if not llama_files and args.model is None and not args.no_llama:
+        llama_files = _demo_llama_files(model_dir)
     engines: dict[str, ServedEngine] = {}
+    llamas: list[LlamaServer] = []
     try:
+        for label, path in llama_files:
+            _progress(f"starting llama.cpp on {path.name}")
+            llamas.append(LlamaServer(label, path, threads=args.threads))
+        for server in llamas:
+            server.wait_ready()
         for fmt in formats:
             _progress(f"loading {fmt}")
             served = ServedEngine(model_dir, fmt, kv_tokens=max(batches) * (args.max_tokens + 128) * 2,
                                   max_requests=max(batches))
             served.wait_serving()
             engines[fmt] = served
+        eos = next(iter(engines.values())).engine.eos_ids
+        peers += [server.as_target(eos) for server in llamas]
         targets: list[tuple[str, Any]] = [*engines.items(), *((p["label"], p) for p in peers)]
+        for peer in peers:  # warm-up
+            run_client(peer["url"], peer["model"], concurrency=1, max_tokens=8, tag="warm",
+                       extra=peer.get("extra"))
         for served in engines.values():  # warm-up: the allocator, the first steps
             run_client(served.url, served.model_id(), concurrency=max(batches), max_tokens=8, tag="warm")
             served.install_breakdown()
@@ -397,18 +516,27 @@ def main(argv: list[str]) -> int:
     finally:
         for served in engines.values():
             served.stop()
+        for server in llamas:
+            server.stop()
 
     quality = None if args.no_quality else precision_report(model_dir, formats)
     results = summarize(rows, targets=[label for label, _ in targets], batches=batches, bandwidth=bw,
                         dense=dense, expert_bytes=expert_bytes)
     table, notes = render(results, peers=[p["label"] for p in peers], quality=quality, bandwidth=bw,
                           dtypes=dtypes, argv=argv)
+    met = goals(results, served_auto)
+    notes.insert(0, "Goals (issue 15; ratio, met): " + "; ".join(
+        f"{name} {g['ratio']:.2f} {'met' if g['met'] else 'NOT met'}" if g["ratio"] is not None
+        else f"{name} not measured" for name, g in met.items()) + ".")
     path = write_receipt(
         args.receipt,
         params={"model": str(model_dir), "formats": formats, "batches": batches,
                 "max_tokens": args.max_tokens, "rounds": args.rounds, "threads": args.threads,
-                "peers": peers, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
-        results={"bandwidth_gbs": bw, "rows": rows, "summary": results, "quality": quality,
+                "peers": [{k: v for k, v in p.items() if k != "server"} for p in peers],
+                "llama_files": [str(path) for _, path in llama_files],
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
+        results={"bandwidth_gbs": bw, "rows": rows, "summary": results, "quality": quality, "goals": met,
+                 "auto_format": served_auto,
                  "dense_bytes_per_step": dense, "expert_bytes": expert_bytes, "dtypes": dtypes},
         columns=TABLE_COLUMNS, rows=table,
         title="Decode speed per weight format: tok/s, bytes per token, the memory bound, where a step goes",
@@ -418,7 +546,7 @@ def main(argv: list[str]) -> int:
 
 
 TABLE_COLUMNS = ["format", "batch", "tok/s per request", "aggregate tok/s", "engine tok/s", "TTFT ms",
-                 "MB weights / token", "bound tok/s", "× bound", "threads busy",
+                 "MB weights / token", "bound tok/s", "× bound", "threads busy", "server CPU ms / token",
                  "step ms: attention / experts / other / sampler / sched / outputs / HTTP"]
 
 
@@ -442,6 +570,9 @@ def summarize(rows: list[dict[str, Any]], *, targets: list[str], batches: list[i
                 "request_decode_tok_s": med("request_decode_tok_s"),
                 "aggregate_tok_s": med("aggregate_tok_s"), "ttft_ms": med("ttft_ms"),
                 "spread_request_tok_s": _spread([r.get("request_decode_tok_s") for r in mine]),
+                "threads_busy": med("threads_busy"),
+                "server_cpu_ms_per_token": med("server_cpu_ms_per_token"),
+                "rss_bytes": med("rss_bytes"),
             }
             if label in dense:
                 routed = med("routed_experts_per_decode_step")
@@ -450,7 +581,7 @@ def summarize(rows: list[dict[str, Any]], *, targets: list[str], batches: list[i
                 bound = None if per_token is None else bandwidth * GB / per_token
                 engine_rate = med("engine_decode_tok_s")
                 entry.update({
-                    "engine_decode_tok_s": engine_rate, "threads_busy": med("threads_busy"),
+                    "engine_decode_tok_s": engine_rate,
                     "generation_thread_busy": med("generation_thread_busy"),
                     "loop_thread_busy": med("loop_thread_busy"),
                     "routed_experts_per_decode_step": routed, "bytes_per_token": per_token,
@@ -492,7 +623,8 @@ def render(summary: list[dict[str, Any]], *, peers: list[str], quality: dict[str
         table.append([e["label"], e["batch"], e["request_decode_tok_s"], e["aggregate_tok_s"],
                       e.get("engine_decode_tok_s"), e["ttft_ms"],
                       None if per_token is None else per_token / 1e6, e.get("bound_tok_s"),
-                      e.get("fraction_of_bound"), e.get("threads_busy"), parts])
+                      e.get("fraction_of_bound"), e.get("threads_busy"), e.get("server_cpu_ms_per_token"),
+                      parts])
     notes = [f"Memory bandwidth measured in this run: {bandwidth:.1f} GB/s (best of 5 reads of 512 MiB). "
              "Bound tok/s = bandwidth ÷ bytes of weights read per token (non-expert weights once per step "
              "plus the distinct experts the step routed, over the batch); × bound uses the aggregate tok/s.",
@@ -503,6 +635,9 @@ def render(summary: list[dict[str, Any]], *, peers: list[str], quality: dict[str
              "Step ms (per decode step, generation thread, wall): attention / experts / other forward / "
              "sampler / scheduler+ledger / outputs handed to the event loop / HTTP+SSE+detokenize "
              "(event-loop thread CPU ms per step); (step) is the whole step.",
+             "Server CPU ms / token: the serving process's CPU time (all threads) over the round per token "
+             "generated, a clock that other load on a shared machine disturbs less than wall time; threads "
+             "busy: that CPU time over the round's wall time (2.0 = both cores).",
              "Formats served: " + ", ".join(f"{k} → {v}" for k, v in dtypes.items()) + "."]
     noisy = [e for e in summary if (e.get("spread_request_tok_s") or 0) > 0.25]
     notes.append("Noise: (max−min)/median of per-request tok/s over rounds is "
@@ -532,6 +667,39 @@ def render(summary: list[dict[str, Any]], *, peers: list[str], quality: dict[str
             notes.append(f"vs {peer} at batch {batch} (per request / aggregate): " + "; ".join(ratios) + ".")
     notes.append("reproduce: `.venv/bin/moetray bench decode" + (" " + " ".join(argv) if argv else "") + "`")
     return table, notes
+
+
+EQUAL_BYTES = {"bfloat16": "llama.cpp F16", "float16": "llama.cpp F16", "int8": "llama.cpp Q8_0"}
+"""Each moetray format and the llama.cpp file reading as many bytes per weight."""
+
+
+def goals(summary: list[dict[str, Any]], served: str | None) -> dict[str, Any]:
+    """The issue's goals from this run's medians: True / False, or None where not measured.
+
+    ``served`` is the format ``--dtype auto`` serves on this machine (the bound goal's format).
+    """
+    def cell(label: str, batch: int) -> dict[str, Any] | None:
+        return next((e for e in summary if e["label"] == label and e["batch"] == batch), None)
+
+    out: dict[str, Any] = {}
+    for fmt, peer in EQUAL_BYTES.items():
+        ours1, theirs1 = cell(fmt, 1), cell(peer, 1)
+        if ours1 and theirs1:
+            r = _ratio(ours1["request_decode_tok_s"], theirs1["request_decode_tok_s"])
+            out[f"{fmt}_c1_vs_{peer}_ge_1.0"] = {"ratio": r, "met": None if r is None else r >= 1.0}
+            t = _ratio(ours1["ttft_ms"], theirs1["ttft_ms"])
+            out[f"{fmt}_ttft_vs_{peer}_le_1.0"] = {"ratio": t, "met": None if t is None else t <= 1.0}
+        ours4, theirs4 = cell(fmt, 4), cell(peer, 4)
+        if ours4 and theirs4:
+            r = _ratio(ours4["aggregate_tok_s"], theirs4["aggregate_tok_s"])
+            out[f"{fmt}_c4_aggregate_vs_{peer}_ge_1.5"] = {"ratio": r, "met": None if r is None else r >= 1.5}
+    if served:
+        best = max((e.get("fraction_of_bound") or 0 for e in summary if e["label"] == served), default=None)
+        out[f"{served}_fraction_of_bound_ge_0.8"] = {"ratio": best or None,
+                                                     "met": None if not best else best >= 0.8}
+    out["rss_le_1.3x"] = {"ratio": None, "met": None,
+                          "note": "not measured here (engines share this process): see `moetray bench peer`"}
+    return out
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

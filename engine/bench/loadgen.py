@@ -61,20 +61,22 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
 
 
 async def run(url: str, model: str, *, concurrency: int, requests: int, max_tokens: int, tag: str,
-              extra: dict[str, Any]) -> dict[str, Any]:
+              extra: dict[str, Any], warm_up: bool = True) -> dict[str, Any]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
 
     async def limited(i: int, client: httpx.AsyncClient) -> dict[str, Any]:
         body = {"model": model, "messages": prompt(i, tag), "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, **extra}
+        body = {k: v for k, v in body.items() if v is not None}  # an extra of null drops a field
         async with sem:
             return await one_request(client, url, body)
 
     async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-        warm = {"model": model, "messages": prompt(0, "warm-up"), "max_tokens": 4, "temperature": 0,
-                "stream": True, **extra}
-        await one_request(client, url, warm)
+        if warm_up:
+            warm = {"model": model, "messages": prompt(0, "warm-up"), "max_tokens": 4, "temperature": 0,
+                    "stream": True, **extra}
+            await one_request(client, url, {k: v for k, v in warm.items() if v is not None})
         t0 = time.perf_counter()
         replies = await asyncio.gather(*(limited(i, client) for i in range(requests)))
         wall = time.perf_counter() - t0
@@ -92,11 +94,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--requests", type=int, default=None, help="default: the concurrency")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--tag", default="bench")
-    p.add_argument("--extra-json", default="{}", help="extra request body fields")
+    p.add_argument("--no-warm-up", action="store_true", help="no 4-token request before the timed ones")
+    p.add_argument("--extra-json", default="{}", help="extra request body fields (null drops a field)")
     args = p.parse_args(argv)
     out = asyncio.run(run(args.url, args.model, concurrency=args.concurrency,
                           requests=args.requests or args.concurrency, max_tokens=args.max_tokens,
-                          tag=args.tag, extra=json.loads(args.extra_json)))
+                          tag=args.tag, extra=json.loads(args.extra_json), warm_up=not args.no_warm_up))
     print(json.dumps(out))
     return 0
 
