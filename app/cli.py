@@ -1,6 +1,6 @@
 """The `moetray` command: the tray by default, engine-side subcommands by name.
 
-`moetray serve|model|bench …` run in a process that never loads Qt; plain `moetray` runs
+`moetray serve|model|models|bench …` run in a process that never loads Qt; plain `moetray` runs
 the tray, which never loads torch. The engine modules are imported by name at dispatch
 time, so the tray process cannot pull torch in by accident (the import-linter contracts
 forbid static imports from app/ into engine/; this table is the one sanctioned crossing).
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 ENGINE_SUBCOMMANDS = {
     "serve": "moetray.engine.serve",
     "model": "moetray.engine.demo.cli",
+    "models": "moetray.engine.models.cli",
     "bench": "moetray.engine.bench.cli",
 }
 """Subcommand → engine module exposing ``main(argv) -> int`` (argv without the subcommand)."""

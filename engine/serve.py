@@ -1,6 +1,6 @@
 """``moetray serve``: the engine process (HTTP server first, the model loads behind it).
 
-    moetray serve [--model DIR] [--host 127.0.0.1] [--port N] [--device auto|cpu|cuda]
+    moetray serve [--model PATH|NAME] [--host 127.0.0.1] [--port N] [--device auto|cpu|cuda]
                   [--moe-capacity SLOTS|PCT%] [--kv-tokens N] [--budget-bytes N[K|M|G]] …
 
 With no ``--model`` the embedded demo model is built (first run) and served. The server
@@ -63,7 +63,10 @@ def parser() -> argparse.ArgumentParser:
         prog="moetray serve", description="Serve a MoE checkpoint with an OpenAI API."
     )
     p.add_argument(
-        "--model", type=Path, default=None, help="checkpoint folder (default: the embedded demo model)"
+        "--model", default=None,
+        help="a checkpoint folder, a .gguf file (or the first of a split set), or a name from "
+        "`moetray models`: hf:ORG/NAME, ollama:NAME:TAG, lmstudio:PUBLISHER/FOLDER/FILE.gguf, demo "
+        "(default: the embedded demo model)",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs an API key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (0: any free port)")
@@ -253,6 +256,14 @@ def main(argv: list[str]) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from moetray.engine.models.checkpoint import CheckpointError
+    from moetray.engine.models.names import resolve_model
+
+    try:
+        args.model = resolve_model(args.model)  # a name → the files it names, read in place
+    except CheckpointError as exc:
+        print(f"moetray serve: {exc} ({exc.kind})", file=sys.stderr)
+        return 2
     options = options_from(args)
     try:
         sock = bind_socket(args.host, args.port)

@@ -106,6 +106,16 @@ REFUSALS: dict[str, Refusal] = {
     "internal_error": Refusal(500, Retry.NEVER, "Internal error; the log has its id."),
 }
 
+# Loading a model: the ``error_kind`` of a failed load in `/health`, and a listed model's ``refusal``.
+REFUSALS.update({
+    "not_moe": Refusal(422, Retry.NEVER, "A dense model; moetray serves mixture-of-experts models."),
+    "unsupported_quant_type": Refusal(422, Retry.NEVER, "A tensor type moetray cannot decode."),
+    "unreadable_checkpoint": Refusal(422, Retry.NEVER, "Model files truncated, corrupt or incomplete."),
+    "quantized_checkpoint": Refusal(422, Retry.NEVER, "GPTQ, AWQ and bitsandbytes are not served."),
+    "unsupported_family": Refusal(422, Retry.NEVER, "moetray cannot serve this model family yet."),
+    "not_a_checkpoint": Refusal(404, Retry.NEVER, "No model there."),
+})
+
 RETRY_AFTER_S = 1
 """`Retry-After` seconds sent with every `Retry.NOW` refusal."""
 RETRY_AFTER_LATER_S: dict[str, int] = {"loading": 2, "not_ready": 2}
@@ -268,6 +278,8 @@ class ExpertStats(TypedDict):
     bytes_per_token: float | None
     backend: Literal["offload", "hybrid"]
     fetch_fraction: float | None  # q*: share of misses fetched, None when offload-only
+    expert_store_bytes: int  # host bytes the expert store holds (quantized blocks stay quantized)
+    expert_store_format: str  # what experts are stored as: "F32", "BF16", "Q4_K+Q6_K", "MXFP4+BF16", …
 
 
 class Throughput(TypedDict):
@@ -327,3 +339,31 @@ class StatusSnapshot(TypedDict):
     requests: list[ActiveRequest]
     footprint: Footprint | None  # the engine process; None where unmeasurable
     last_rebuild: NotRequired[RebuildResult | None]  # the last rebuild's result
+
+
+# --- local models (`moetray models --json`: one object per model found on disk) --------
+
+ModelSource = Literal["huggingface", "lmstudio", "ollama", "recent", "demo"]
+ModelFormat = Literal["safetensors", "gguf"]
+
+
+class LocalModel(TypedDict):
+    """One model already on this machine, as ``moetray models --json`` lists it (the tray's Model
+    menu reads this). ``name`` is what ``moetray serve --model`` accepts: ``hf:ORG/NAME``,
+    ``ollama:NAME:TAG``, ``lmstudio:PUBLISHER/FOLDER/FILE.gguf``, ``demo``, or a path for a recent
+    folder. Unknown facts are null; ``refusal`` is the kind (a ``REFUSALS`` key) that keeps a model
+    from being served, null when ``servable``."""
+
+    name: str
+    source: ModelSource
+    path: str
+    format: ModelFormat
+    family: str | None  # transformers model type or GGUF architecture, e.g. "qwen3_moe", "qwen3moe"
+    moe: bool | None
+    bytes: int | None
+    servable: bool
+    refusal: str | None
+
+
+LOCAL_MODEL_KEYS = tuple(LocalModel.__annotations__)
+"""The keys of every ``moetray models --json`` row, in order."""

@@ -12,7 +12,8 @@ import sys
 BENCHMARKS = {
     "bw": "moetray.engine.bench.bw",  # host↔device and CPU bandwidth profile
     "trace": "moetray.engine.bench.trace",  # cache policies against Belady on routing traces
-    "engine": "moetray.engine.bench.offload",  # offloading engine vs resident vs accelerate
+    "engine": "moetray.engine.bench.offload",  # offloading engine vs resident vs accelerate (--formats)
+    "peer": "moetray.engine.bench.peer",  # the same GGUF served by llama.cpp and by moetray
     "batch": "moetray.engine.bench.batch",  # batched decode: the experts runtime vs stock implementations
     "decode": "moetray.engine.bench.decode",  # served decode per format: tok/s, bytes/token, bound, steps
     "serve": "moetray.engine.bench.serve",  # HTTP serving vs `transformers serve`

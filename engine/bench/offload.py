@@ -250,6 +250,9 @@ def main(argv: list[str]) -> int:
                         help="also time moetray at 100 %% with this planner policy ('' to skip)")
     parser.add_argument("--compare-compute", default="eager",
                         help="also time moetray at 100 %% with this compute mode ('' to skip)")
+    parser.add_argument("--formats", default="",
+                        help="the format axis instead: comma-separated GGUF types of the same model, e.g. "
+                             "BF16,Q8_0,Q4_K (receipt engine-formats; see moetray.engine.bench.formats)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -272,6 +275,11 @@ def main(argv: list[str]) -> int:
                                  experts=args.experts, top_k=args.top_k, vocab=args.vocab)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, args.vocab, (1, args.prompt), generator=generator).to(device)
+    if args.formats:
+        from moetray.engine.bench.formats import run_formats
+
+        _progress(f"receipt: {run_formats(args, checkpoint, workdir, prompt, argv)}")
+        return 0
     expert_bytes = 3 * args.hidden * args.inter * 4
     total_experts = args.layers * args.experts
     _progress("loading: resident")

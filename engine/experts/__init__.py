@@ -45,7 +45,9 @@ machine without a GPU).
 
 Host memory: the store holds every expert once (``store.total_bytes``), packed from the
 memory-mapped safetensors one expert at a time; non-expert weights are read straight to the
-device. Nothing is ever materialised as a fused ``[E, …]`` stack.
+device. Nothing is ever materialised as a fused ``[E, …]`` stack. A quantized checkpoint
+(GGUF, MXFP4, FP8) keeps its experts' stored blocks in a :class:`QuantizedExpertStore`; a slot
+fill moves those bytes and decodes them on the device (:func:`offload_loaded` serves both).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ from moetray.engine.experts.runtime import (
     moetray_experts_forward,
     register,
 )
-from moetray.engine.experts.store import ExpertStore, ExpertStoreError
+from moetray.engine.experts.store import ExpertStore, ExpertStoreError, QuantizedExpertStore
 
 __all__ = [
     "IMPLEMENTATION_NAME",
@@ -83,6 +85,7 @@ __all__ = [
     "ExpertStore",
     "ExpertStoreError",
     "LoaderError",
+    "QuantizedExpertStore",
     "OffloadedModel",
     "ResizeFault",
     "UnknownComputeMode",
@@ -90,6 +93,7 @@ __all__ = [
     "load_offloaded_model",
     "load_resident_model",
     "moetray_experts_forward",
+    "offload_loaded",
     "register",
 ]
 
@@ -128,15 +132,33 @@ def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.devi
     :class:`ExpertStoreError`, or the planner's ``CacheRefused`` for a bad capacity or
     policy; nothing is left half-built.
     """
-    from moetray.engine.experts.hybrid import resolve_cpu_layers, resolve_qstar, settle_host_banks
-
     compute = check_compute(compute)  # refused before anything is read
     dev = resolve_device(device)
     dt = resolve_dtype(checkpoint_dir, dtype)
-    qstar = resolve_qstar(fetch_fraction, device=dev)
-    register()
     model, store, modules = load_skeleton_and_store(checkpoint_dir, device=dev, dtype=dt,
                                                     pin=False, progress=progress)
+    return offload_loaded(model, store, modules, device=dev, capacity=capacity, policy=policy,
+                          fetch_fraction=fetch_fraction, cpu_layers=cpu_layers, link_gbps=link_gbps,
+                          allocate=allocate, compute=compute)
+
+
+def offload_loaded(model, store: ExpertStore, modules: list[torch.nn.Module], *, device: torch.device,
+                   capacity: int, policy: str | None = None, fetch_fraction: float | None = None,
+                   cpu_layers: str | None = None, link_gbps: float | None = None,
+                   allocate: Callable[..., torch.Tensor] | None = None,
+                   compute: str | None = None) -> OffloadedModel:
+    """Put a loaded skeleton (non-expert weights on ``device``, Experts modules empty) and its
+    expert store behind the ``"moetray"`` runtime: the second half of :func:`load_offloaded_model`,
+    shared with the quantized-format loaders (``moetray.engine.models.gguf``). The q* split is
+    priced with the store's bytes per expert as stored (what a fill moves) against the bytes the
+    CPU reads decoded (:func:`~moetray.engine.experts.hybrid.resolve_qstar`)."""
+    from moetray.engine.experts.hybrid import resolve_cpu_layers, resolve_qstar, settle_host_banks
+
+    compute = check_compute(compute)
+    dev = resolve_device(device)
+    qstar = resolve_qstar(fetch_fraction, device=dev,
+                          expert_bytes=(_mean_link_bytes(store), store.slot_bytes))
+    register()
     top_k = _top_k(model.config)
     cpu = resolve_cpu_layers(cpu_layers, store.num_layers, bank_bytes=store.total_bytes)
     residency = settle_host_banks(store.banks, cpu, dev)
@@ -147,7 +169,14 @@ def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.devi
     runtime.host_residency = [None if c is None else c.value for c in residency.achieved_labels()]
     attach(modules, runtime)
     model.set_experts_implementation(IMPLEMENTATION_NAME)
-    return OffloadedModel(model=model, runtime=runtime, store=store, device=dev, dtype=dt)
+    return OffloadedModel(model=model, runtime=runtime, store=store, device=dev, dtype=store.dtype)
+
+
+def _mean_link_bytes(store: ExpertStore) -> int:
+    """Bytes one slot fill moves, averaged over the layers (a quantized file may mix types)."""
+    if not store.quantized:
+        return store.row_bytes
+    return round(sum(store.link_bytes(layer) for layer in range(store.num_layers)) / store.num_layers)
 
 
 def _top_k(config) -> int:

@@ -3,7 +3,8 @@
 transformers 5 keeps a MoE layer's experts behind a pluggable interface
 (``transformers.integrations.moe``); moetray registers its runtime there, recognises the
 stock gate so it may take its fast path, asks whether the stock grouped path pads its output,
-and renames checkpoint keys by transformers' own conversion rules while it fills the store.
+renames checkpoint keys by transformers' own conversion rules while it fills the store, and
+decodes quantized expert rows with transformers' dequantizers (GGUF blocks, MXFP4 experts).
 Only this module and ``engine/cb/`` import transformers internals (an import-linter contract),
 so a new transformers minor version is checked in two places.
 """
@@ -15,12 +16,14 @@ from collections.abc import Callable
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
+from transformers.integrations.gguf.dequant import _DEQUANT, GGML_BLOCK
 from transformers.integrations.moe import (
     ALL_EXPERTS_FUNCTIONS,
     ExpertsInterface,
     _can_use_grouped_mm,
     _default_apply_gate,
 )
+from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
 
 DEFAULT_APPLY_GATE = _default_apply_gate
 """The stock ``_apply_gate`` (silu(gate) * up): a module that keeps it may take the fused path."""
@@ -53,3 +56,18 @@ def key_renamer(model: torch.nn.Module) -> Callable[[str], str]:
         return renamed
 
     return rename
+
+
+def dequantize_ggml_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """``[n_blocks, block_bytes]`` ``uint8`` GGUF blocks → ``[n_blocks, block_elems]`` float32, by
+    transformers' torch dequantizer for ``ggml_type`` (Q4_0, Q4_1, Q8_0, the K- and IQ-quants).
+    Raises ``KeyError`` for a type it has none for."""
+    elems, _ = GGML_BLOCK[ggml_type]
+    return _DEQUANT[ggml_type](blocks, torch.float32).reshape(blocks.shape[0], elems)
+
+
+def dequantize_mxfp4_packed(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face MXFP4 tensor (``blocks`` ``[E, rows, G, 16]``, ``scales`` ``[E, rows, G]``) →
+    float32 ``[E, G*32, rows]``: transformers' own unpacking (the transposed layout gpt-oss's
+    experts hold)."""
+    return _convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)

@@ -78,10 +78,13 @@ def lookup_profile(device: torch.device, directory: Path | None = None) -> Profi
 
 
 def resolve_qstar(fetch_fraction: float | None, *, device: torch.device,
-                  directory: Path | None = None) -> QStarPolicy | None:
+                  directory: Path | None = None,
+                  expert_bytes: tuple[int, int] | None = None) -> QStarPolicy | None:
     """The q* policy: explicit ``fetch_fraction`` → hybrid with that fraction; None → the
     profile's verdict (hybrid only where the CPU beats the link by the threshold); no usable
-    profile → None (offload). Refuses (``QStarRefused``) a non-finite fraction."""
+    profile → None (offload). ``expert_bytes`` = ``(stored, decoded)`` bytes per expert: what a
+    fetch moves and what the CPU reads (they differ for a quantized store). Refuses
+    (``QStarRefused``) a non-finite fraction."""
     if fetch_fraction is not None:
         return QStarPolicy.from_fraction(fetch_fraction)
     lookup = lookup_profile(device, directory)
@@ -89,7 +92,9 @@ def resolve_qstar(fetch_fraction: float | None, *, device: torch.device,
         if lookup.status != "missing":
             log.warning("bandwidth profile %s not used (%s): %s", lookup.path, lookup.status, lookup.reason)
         return None
-    return lookup.profile.qstar()
+    if expert_bytes is None:
+        return lookup.profile.qstar()
+    return lookup.profile.qstar(link_bytes=expert_bytes[0], cpu_bytes=expert_bytes[1])
 
 
 def resolve_cpu_layers(spec: str | None, num_layers: int, *, bank_bytes: int | None = None,

@@ -25,7 +25,13 @@ from pathlib import Path
 import torch
 
 from moetray.engine.experts.hf import key_renamer
-from moetray.engine.experts.store import ExpertGeometry, ExpertStore, ExpertStoreError, StoreLayer
+from moetray.engine.experts.store import (
+    ExpertGeometry,
+    ExpertStore,
+    ExpertStoreError,
+    QuantizedExpertStore,
+    StoreLayer,
+)
 from moetray.policy.refused import Refused
 
 __all__ = [
@@ -92,23 +98,21 @@ def expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return sorted(found, key=layer_no)
 
 
-def refuse_quantized(config) -> None:
-    """Refuses a checkpoint whose config names a quantization method (``quantization_config``:
-    gpt-oss's MXFP4 blocks and scales, DeepSeek-V3's FP8 with block scales, GPTQ, AWQ, …)
-    with :class:`LoaderError` ``quantized_checkpoint``. The store packs expert tensors as the
-    plain floats it reads, and the scale tensors have no place in the model, so such a
-    checkpoint would load without complaint and compute garbage. Pure; mutates nothing."""
-    quant = getattr(config, "quantization_config", None)
-    if quant is None and hasattr(config, "get_text_config"):
-        quant = getattr(config.get_text_config(), "quantization_config", None)
-    if quant:
-        method = (quant.get("quant_method") if isinstance(quant, dict)
-                  else getattr(quant, "quant_method", None))
-        method = getattr(method, "value", method)  # a QuantizationMethod enum on a parsed config
+def refuse_quantized(config) -> str | None:
+    """The checkpoint's served quantization method (``"mxfp4"``, ``"fp8"`` with block scales) or
+    None; refuses any other (GPTQ, AWQ, bitsandbytes, per-tensor FP8, …) with :class:`LoaderError`
+    ``quantized_checkpoint``: their weights would need kernels or layouts the store does not read,
+    and loading them as plain floats would compute garbage. Pure; mutates nothing."""
+    from moetray.engine.experts.quantized_hf import quant_method
+
+    try:
+        return quant_method(config)
+    except ValueError as exc:
+        method = str(exc)
         raise LoaderError("quantized_checkpoint",
-                          f"the checkpoint is quantized ({method or 'unknown method'}); moetray reads "
-                          "unquantized weights only (fp32, bf16 or fp16): dequantize it first",
-                          quant_method=method)
+                          f"the checkpoint is quantized ({method}); moetray serves unquantized weights, "
+                          "MXFP4 and fine-grained FP8: dequantize it first",
+                          quant_method=method.split(" ")[0]) from exc
 
 
 def build_skeleton(checkpoint_dir: str | Path, dtype: torch.dtype, config=None):
@@ -142,7 +146,7 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
 
     report("building model skeleton", 0, None)
     config = AutoConfig.from_pretrained(checkpoint_dir)
-    refuse_quantized(config)
+    method = refuse_quantized(config)
     model = build_skeleton(checkpoint_dir, dtype, config)
     experts = expert_modules(model)
     if not experts:
@@ -154,11 +158,7 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
                           f"{type(model).__name__} ({model_type}) keeps no experts behind transformers' "
                           "experts interface (use_experts_implementation); moetray cannot offload them",
                           model_type=model_type)
-    store_layers = [StoreLayer(index=i, module_name=name, num_experts=int(mod.num_experts),
-                               geometry=ExpertGeometry.from_module(mod))
-                    for i, (name, mod) in enumerate(experts)]
-    expert_param_keys = {f"{layer.module_name}.{seg.name}" for layer in store_layers
-                         for seg in layer.geometry.segments}
+    store_layers = store_layers_of(experts)
 
     rename = key_renamer(model)
     files = checkpoint_files(checkpoint_dir)
@@ -166,13 +166,27 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as fh:
             entries += [(path, key, rename(key)) for key in fh.keys()]
-    claimed = ExpertStore.index(store_layers, entries)
+    handles: dict[Path, object] = {}
+
+    def open_file(path: Path):
+        if path not in handles:
+            handles[path] = safe_open(str(path), framework="pt", device="cpu")
+        return handles[path]
+
+    if method is None:
+        claimed = ExpertStore.index(store_layers, entries)
+    else:
+        from moetray.engine.experts.quantized_hf import expert_sources
+
+        codecs, read_part, claimed = expert_sources(method, config, store_layers, entries, open_file)
+    scales = {key.removesuffix("_scale_inv"): (path, key) for path, key, _ in entries
+              if method == "fp8" and key.endswith(".weight_scale_inv")}
 
     # Non-expert tensors: read straight onto the device, cast to the parameter's dtype.
     meta_sd = model.state_dict()
     wanted: dict[Path, list[tuple[str, str]]] = {}
     for path, key, model_key in entries:
-        if key in claimed:
+        if key in claimed or key.endswith(".weight_scale_inv") and method == "fp8":
             continue
         if model_key in meta_sd:
             wanted.setdefault(path, []).append((key, model_key))
@@ -187,6 +201,12 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
             for key, model_key in pairs:
                 target = meta_sd[model_key]
                 tensor = fh.get_tensor(key)
+                if key in scales:  # a fine-grained FP8 weight: dequantized at load
+                    from moetray.engine.experts.quantized_hf import dequantize_fp8, fp8_block
+
+                    spath, skey = scales[key]
+                    scale = open_file(spath).get_tensor(skey)
+                    tensor = dequantize_fp8(tensor.cpu(), scale, fp8_block(config))
                 converted = tensor.to(dtype=target.dtype)
                 if load_device == "cpu" and converted.data_ptr() == tensor.data_ptr():
                     # Still a view of the memory-mapped file: at the file's byte offset (GEMM
@@ -196,13 +216,42 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
                 state[model_key] = converted
                 done += 1
         report("loading non-expert weights", done, total)
-    result = model.load_state_dict(state, strict=False, assign=True)
+    assign_non_expert_weights(model, state, [mod for _, mod in experts], device)
     del state
+
+    report("building expert store", 0, len(store_layers))
+    def stored(done: int, total: int) -> None:
+        report("building expert store", done, total)
+
+    if method is None:
+        store = ExpertStore.build(store_layers, dtype=dtype, pin=pin, progress=stored)
+    else:
+        store = QuantizedExpertStore.build_quantized(store_layers, codecs, read_part, dtype=dtype, pin=pin,
+                                                     progress=stored)
+    return model, store, [mod for _, mod in experts]
+
+
+def store_layers_of(experts: list[tuple[str, torch.nn.Module]]) -> list[StoreLayer]:
+    """One :class:`StoreLayer` per Experts module, in MoE-layer order."""
+    return [StoreLayer(index=i, module_name=name, num_experts=int(mod.num_experts),
+                       geometry=ExpertGeometry.from_module(mod))
+            for i, (name, mod) in enumerate(experts)]
+
+
+def assign_non_expert_weights(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                              experts: list[torch.nn.Module], device: torch.device) -> None:
+    """Assign ``state`` (every non-expert tensor, by model key) to the meta skeleton, tie the
+    embeddings where the config says so, drop the Experts modules' weight parameters and move the
+    model to ``device``. Raises :class:`LoaderError` ``missing_weights`` when a non-expert
+    parameter is still on ``meta`` (nothing in the checkpoint filled it)."""
+    expert_param_keys = {f"{name}.{seg.name}" for name, mod in model.named_modules() if mod in experts
+                         for seg in ExpertGeometry.from_module(mod).segments}
+    result = model.load_state_dict(state, strict=False, assign=True)
     missing = set(result.missing_keys) - expert_param_keys
     if getattr(model.config, "tie_word_embeddings", False) or getattr(
             model.config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()
-    for _, mod in experts:
+    for mod in experts:
         for seg in ExpertGeometry.from_module(mod).segments:
             mod.register_parameter(seg.name, None)
     still_meta = sorted(n for n, p in model.named_parameters() if p.device.type == "meta")
@@ -211,11 +260,6 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
                           f"e.g. {still_meta[:3]} (missing {sorted(missing)[:3]})")
     model.to(device)
     model.eval()
-
-    report("building expert store", 0, len(store_layers))
-    store = ExpertStore.build(store_layers, dtype=dtype, pin=pin,
-                              progress=lambda d, t: report("building expert store", d, t))
-    return model, store, [mod for _, mod in experts]
 
 
 def load_resident_model(checkpoint_dir: str | Path, *, device: str | torch.device = "cpu",
@@ -256,4 +300,4 @@ def _own_aligned_storage(model: torch.nn.Module) -> None:
                 module._parameters[name] = copies[id(param)]
 
 
-__all__ += ["ExpertStoreError", "load_skeleton_and_store"]
+__all__ += ["ExpertStoreError", "assign_non_expert_weights", "load_skeleton_and_store", "store_layers_of"]

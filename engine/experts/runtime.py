@@ -141,7 +141,7 @@ class ExpertRuntime:
         self.cache = ExpertCache(self.num_layers, self.num_experts, capacity, policy=self.policy)
         self.pool = SlotPool(capacity, store.row_numel, store.dtype, self.device,
                              throttle=self.throttle, allocate=allocate)
-        self.slot_device = _TorchSlotDevice(self.pool)
+        self.slot_device = _TorchSlotDevice(self.pool, store.row_bytes)
         self.slots = ExpertSlots(self.slot_device, store)
         self._slot_views = self._unpack_slots()
         self._slot_mats = self._gemm_operands()
@@ -170,8 +170,8 @@ class ExpertRuntime:
 
     @property
     def bytes_per_slot(self) -> int:
-        """Device bytes one slot holds (one packed expert)."""
-        return self.store.row_bytes
+        """Device bytes one slot holds (one packed expert, decoded)."""
+        return self.store.slot_bytes
 
     @property
     def backend(self) -> str:
@@ -232,12 +232,13 @@ class ExpertRuntime:
             # Bring the CPU share's inputs to the host before the slot copies are queued, so
             # the device→host transfer does not wait behind them and the CPU work overlaps them.
             host_states = states.cpu() if host_groups else None
+            moved = self.pool.bytes_copied
             try:
-                report = self.slots.apply(plan)
+                self.slots.apply(plan)
             except SlotDeviceError as exc:
                 self._forget_plan(plan, exc)
                 raise
-            self._record(layer, plan, report.bytes, num_tokens)
+            self._record(layer, plan, self.pool.bytes_copied - moved, num_tokens)
 
             slot_mats, bank_mats = self._slot_mats, self._bank_operands
             operands = [slot_mats[slot] if slot is not None else bank_mats(layer, expert)
@@ -294,8 +295,9 @@ class ExpertRuntime:
         """``(layer, expert)``'s GEMM operands straight from the host store (cached views)."""
         ops = self._bank_mats.get((layer, expert))
         if ops is None:
-            views = self.store.weights(layer, expert)
-            ops = self._bank_mats[(layer, expert)] = _operands(views, self.geometry)
+            ops = _operands(self.store.weights(layer, expert), self.geometry)
+            if not self.store.quantized:  # a quantized store decodes per call and keeps no copy
+                self._bank_mats[(layer, expert)] = ops
         return ops
 
     def _gemm_operands(self) -> list[tuple]:
@@ -334,12 +336,13 @@ class ExpertRuntime:
                         None if expert_mask is None else expert_mask.cpu())
             else:
                 host = None
+            moved = self.pool.bytes_copied
             try:
-                report = self.slots.apply(plan)
+                self.slots.apply(plan)
             except SlotDeviceError as exc:
                 self._forget_plan(plan, exc)
                 raise
-            self._record(layer, plan, report.bytes, hidden_states.shape[0])
+            self._record(layer, plan, self.pool.bytes_copied - moved, hidden_states.shape[0])
 
             computed: dict[int, torch.Tensor] = {}
             if host is not None:
@@ -435,6 +438,8 @@ class ExpertRuntime:
                 "bytes_per_token": sum(window_bytes) / tokens if tokens else None,
                 "backend": self.backend,
                 "fetch_fraction": self.fetch_fraction,
+                "expert_store_bytes": self.store.total_bytes,
+                "expert_store_format": self.store.format,
             }
 
     def reset_window(self) -> None:
@@ -543,7 +548,7 @@ class ExpertRuntime:
                 for slot in range(self.cache.capacity):
                     owner = self.cache.occupant(slot)
                     if owner is not None and not torch.equal(
-                            self.pool.rows[slot].cpu(), self.store.row(*owner).cpu()):
+                            self.pool.rows[slot].cpu(), self.store.decoded_row(*owner).cpu()):
                         raise CacheIntegrityError(f"slot {slot} bytes differ from expert {owner}'s row")
 
 
@@ -554,8 +559,9 @@ class _TorchSlotDevice:
     after the planner has committed to the new size) cannot fail for lack of memory.
     """
 
-    def __init__(self, pool: SlotPool):
+    def __init__(self, pool: SlotPool, row_bytes: int):
         self.pool = pool
+        self._row_bytes = row_bytes  # what one write carries: the store's row (stored bytes)
         self._reserved: torch.Tensor | None = None
 
     @property
@@ -564,7 +570,7 @@ class _TorchSlotDevice:
 
     @property
     def row_bytes(self) -> int:
-        return self.pool.row_bytes
+        return self._row_bytes
 
     def write_slot(self, slot: int, row: torch.Tensor) -> None:
         self.pool.write(slot, row)

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from moetray.engine.experts.codecs import EncodedRow
+
 __all__ = ["LinkThrottle", "SlotPool"]
 
 
@@ -119,18 +121,32 @@ class SlotPool:
         """Swap in ``rows`` (from :meth:`allocate_rows`); the old tensor is freed when unreferenced."""
         self.rows = rows
 
-    def write(self, slot: int, row: torch.Tensor) -> None:
-        """Copy one packed host row into ``slot``, through the throttle when one is set."""
-        if row.numel() != self.row_numel or row.dtype != self.dtype:
-            raise ValueError(f"row of {row.numel()} × {row.dtype} does not fit a slot of "
-                             f"{self.row_numel} × {self.dtype}")
+    def write(self, slot: int, row: torch.Tensor | EncodedRow) -> None:
+        """Copy one packed host row into ``slot``, through the throttle when one is set.
+
+        An :class:`~moetray.engine.experts.codecs.EncodedRow` (a quantized store's) moves its
+        stored bytes (``link_bytes``: what the throttle books and ``bytes_copied`` counts) and is
+        decoded into the slot on the pool's device."""
+        if isinstance(row, EncodedRow):
+            moved = row.link_bytes
+            if row.codec.decoded_numel != self.row_numel:
+                raise ValueError(f"an encoded row of {row.codec.decoded_numel} values does not fit a "
+                                 f"slot of {self.row_numel}")
+        else:
+            moved = self.row_bytes
+            if row.numel() != self.row_numel or row.dtype != self.dtype:
+                raise ValueError(f"row of {row.numel()} × {row.dtype} does not fit a slot of "
+                                 f"{self.row_numel} × {self.dtype}")
         if self.throttle is not None:
-            self.throttle.book(self.row_bytes)
-        self.rows[slot].copy_(row, non_blocking=self.device.type == "cuda" and row.is_pinned())
+            self.throttle.book(moved)
+        if isinstance(row, EncodedRow):
+            row.decode_into(self.rows[slot], non_blocking=self.device.type == "cuda" and row.data.is_pinned())
+        else:
+            self.rows[slot].copy_(row, non_blocking=self.device.type == "cuda" and row.is_pinned())
         if self.throttle is not None:
             self.throttle.settle()
         self.copies += 1
-        self.bytes_copied += self.row_bytes
+        self.bytes_copied += moved
 
 
 def _default_allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

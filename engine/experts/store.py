@@ -18,6 +18,11 @@ Two on-disk layouts are read, and produce identical rows:
 Checkpoint keys are first passed through transformers' own renaming rules for the model
 (``block_sparse_moe`` → ``mlp`` and the like) by :mod:`moetray.engine.experts.loader`, which
 hands this module ``(file, key, model_key)`` triples.
+
+:class:`QuantizedExpertStore` is the same tier for quantized checkpoints (GGUF, MXFP4, FP8): a
+bank row is one expert's *stored* bytes (:class:`~moetray.engine.experts.codecs.RowCodec` says how
+they decode), so host memory holds the file's blocks, never a full-precision copy, and a slot
+fill moves those bytes and decodes them where the slot is.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moetray.engine.experts.codecs import EncodedRow, RowCodec
 from moetray.policy.refused import Refused
 
 __all__ = [
     "ExpertGeometry",
+    "QuantizedExpertStore",
     "ExpertStore",
     "ExpertStoreError",
     "Segment",
@@ -137,6 +144,8 @@ class ExpertStore:
     Built once at load (:meth:`build`); afterwards read-only. ``row(layer, expert)`` is the
     packed row a miss copies; ``weights(layer, expert)`` views it as the module's tensors.
     """
+
+    quantized = False
 
     def __init__(self, layers: Sequence[StoreLayer], banks: list[torch.Tensor], dtype: torch.dtype,
                  pinned: bool):
@@ -273,11 +282,26 @@ class ExpertStore:
 
     @property
     def row_bytes(self) -> int:
+        """Bytes of one stored row (what the plan executor checks a fill against)."""
+        return self.row_numel * self.dtype.itemsize
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes one slot holds: one expert's packed full-precision row."""
         return self.row_numel * self.dtype.itemsize
 
     @property
     def total_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.banks)
+
+    @property
+    def format(self) -> str:
+        """What the experts are stored as (``expert_store_format``): the dtype's ggml-style name."""
+        return _DTYPE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch."))
+
+    def decoded_row(self, layer: int, expert: int) -> torch.Tensor:
+        """``(layer, expert)``'s packed full-precision row (for integrity checks)."""
+        return self.row(layer, expert)
 
     def row(self, layer: int, expert: int) -> torch.Tensor:
         """The packed row of ``(layer, expert)`` (a view into the bank; do not write)."""
@@ -294,6 +318,85 @@ class ExpertStore:
     def banks_replaced(self) -> None:
         """Drop cached views after ``banks`` entries were swapped (e.g. for pinned copies)."""
         self._views.clear()
+
+
+_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+class QuantizedExpertStore(ExpertStore):
+    """The host tier of a quantized checkpoint: ``banks[layer]`` is ``[num_experts, row_bytes]``
+    ``uint8``, each row one expert's stored bytes (its parts as the file holds them, then zero
+    padding up to the widest layer's row: a Q4_K_M file stores some layers' ``down`` in Q6_K).
+
+    ``row(layer, expert)`` is an :class:`~moetray.engine.experts.codecs.EncodedRow` (a slot fill
+    moves its ``link_bytes`` and decodes them in the slot); ``weights(layer, expert)`` decodes a
+    fresh full-precision copy for the CPU path and keeps none. ``dtype`` is the decoded dtype.
+    """
+
+    quantized = True
+
+    def __init__(self, layers: Sequence[StoreLayer], banks: list[torch.Tensor], codecs: Sequence[RowCodec],
+                 dtype: torch.dtype, pinned: bool):
+        self.codecs = list(codecs)
+        super().__init__(layers, banks, dtype, pinned)
+        for layer, codec in zip(self.layers, self.codecs, strict=True):
+            if codec.decoded_numel != layer.geometry.row_numel:
+                raise ExpertStoreError("shape_mismatch",
+                                       f"{layer.module_name}: experts decode to {codec.decoded_numel} "
+                                       f"values, the module holds {layer.geometry.row_numel}")
+
+    @classmethod
+    def build_quantized(cls, layers: Sequence[StoreLayer], codecs: Sequence[RowCodec], read_part, *,
+                        dtype: torch.dtype, pin: bool = False, progress=None) -> QuantizedExpertStore:
+        """Copy every expert's stored bytes into host banks (pinned when ``pin``).
+
+        ``read_part(layer_index, part_index)`` returns that part of every expert of the layer as
+        ``uint8`` ``[num_experts, part.nbytes]`` (a view of the memory-mapped file: one copy per part
+        per layer). Raises :class:`ExpertStoreError` ``shape_mismatch`` for a part of another size.
+        """
+        width = max(codec.stored_bytes for codec in codecs)
+        banks = []
+        for done, (layer, codec) in enumerate(zip(layers, codecs, strict=True), start=1):
+            bank = torch.zeros((layer.num_experts, width), dtype=torch.uint8, pin_memory=pin)
+            for index, part in enumerate(codec.parts):
+                data = read_part(layer.index, index)
+                if tuple(data.shape) != (layer.num_experts, part.nbytes):
+                    want = (layer.num_experts, part.nbytes)
+                    raise ExpertStoreError("shape_mismatch",
+                                           f"{layer.module_name} part {index} ({part.label}): "
+                                           f"{tuple(data.shape)} bytes, expected {want}")
+                bank[:, part.src:part.src + part.nbytes].copy_(data)
+            banks.append(bank)
+            if progress is not None:
+                progress(done, len(layers))
+        return cls(layers, banks, codecs, dtype, pin)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.banks[0].shape[1]
+
+    @property
+    def format(self) -> str:
+        """The stored types, most bytes first, joined by ``+`` (``Q4_K+Q6_K+F32``)."""
+        counts: dict[str, int] = {}
+        for codec in self.codecs:
+            for label, nbytes in codec.bytes_by_label().items():
+                counts[label] = counts.get(label, 0) + nbytes
+        return "+".join(sorted(counts, key=lambda label: (-counts[label], label)))
+
+    def row(self, layer: int, expert: int) -> EncodedRow:
+        return EncodedRow(self.banks[layer][expert], self.codecs[layer])
+
+    def link_bytes(self, layer: int) -> int:
+        """Bytes one expert of ``layer`` moves on a slot fill."""
+        return self.codecs[layer].stored_bytes
+
+    def decoded_row(self, layer: int, expert: int) -> torch.Tensor:
+        return self.codecs[layer].decode(self.banks[layer][expert], self.dtype)
+
+    def weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """A freshly decoded copy of ``(layer, expert)`` as the module's tensors (not cached)."""
+        return unpack_row(self.decoded_row(layer, expert), self.layers[layer].geometry)
 
 
 def _aligned(numel: int) -> int:

@@ -54,7 +54,9 @@ class CheckpointInfo:
     hidden_size: int
     context_length: int | None
     sidecar: dict[str, Any] = field(default_factory=dict)
-    config: Any = None  # the transformers config read from config.json
+    config: Any = None  # the transformers config read from config.json (or built from GGUF metadata)
+    format: str = "safetensors"  # or "gguf"
+    gguf: Any = None  # the moetray.engine.models.gguf.GgufCheckpoint of a GGUF model
 
     @property
     def max_moe_slots(self) -> int:
@@ -70,7 +72,8 @@ def _moe_layer_count(text) -> int:
 
 
 def _refuse_quantized(config) -> None:
-    """The experts loader's ``quantized_checkpoint`` refusal, as a :class:`CheckpointError`."""
+    """The experts loader's ``quantized_checkpoint`` refusal (GPTQ, AWQ, bitsandbytes, …; MXFP4 and
+    fine-grained FP8 are served), as a :class:`CheckpointError`."""
     from moetray.engine.experts.loader import LoaderError, refuse_quantized
 
     try:
@@ -84,6 +87,10 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     (``not_a_checkpoint``, ``unreadable_config``, ``quantized_checkpoint``, ``not_moe``)."""
     from transformers import AutoConfig
 
+    from moetray.engine.models.gguf import is_gguf_path
+
+    if is_gguf_path(path):
+        return _inspect_gguf(Path(path).expanduser().resolve())
     root = Path(path).expanduser().resolve()
     if not (root / "config.json").is_file():
         raise CheckpointError("not_a_checkpoint", f"{root} has no config.json")
@@ -126,6 +133,28 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     )
 
 
+def _inspect_gguf(path: Path) -> CheckpointInfo:
+    """A GGUF model's facts from its headers (``moetray.engine.models.gguf.read_gguf``'s refusals)."""
+    from moetray.engine.models.gguf import SPLIT_RE, read_gguf
+
+    ck = read_gguf(path)
+    text = ck.config.get_text_config()
+    num_experts = _first_int(text, "num_experts", "num_local_experts")
+    top_k = _first_int(text, "num_experts_per_tok")
+    first = ck.files[0].name
+    m = SPLIT_RE.match(first)
+    model_id = m["stem"] if m else first.removesuffix(".gguf")
+    name = ck.metadata.get("general.name")
+    label = f"{name or model_id} (GGUF {ck.arch}, {num_experts} experts, top-{top_k})"
+    return CheckpointInfo(
+        path=ck.path, model_id=model_id, architecture=ck.config.architectures[0], label=label,
+        num_layers=text.num_hidden_layers, moe_layers=_moe_layer_count(text), num_experts=num_experts,
+        top_k=top_k, default_top_k=top_k, top_k_adjustable=True,
+        expert_intermediate=_first_int(text, "moe_intermediate_size", "intermediate_size"),
+        hidden_size=text.hidden_size, context_length=_first_int(text, "max_position_embeddings"),
+        config=ck.config, format="gguf", gguf=ck)
+
+
 def resolve_device(spec: str) -> torch.device:
     """``auto`` → the first CUDA device when there is one, else the CPU."""
     if spec == "auto":
@@ -146,9 +175,12 @@ def resolve_device(spec: str) -> torch.device:
 def serving_format(spec: str, info: CheckpointInfo, device: torch.device):
     """The format ``--dtype spec`` serves this checkpoint in on ``device``
     (:func:`moetray.engine.models.precision.resolve_format`; ``auto``: the checkpoint's 16-bit
-    dtype where the device computes it, else float32 on the CPU)."""
+    dtype where the device computes it, else float32 on the CPU). A GGUF file names no dtype of
+    its own (its experts decode per fill): float32 on the CPU, bfloat16 on a GPU."""
     from moetray.engine.models.precision import resolve_format
 
+    if info.format == "gguf":
+        return resolve_format(spec, None, device)
     return resolve_format(spec, info.path, device)
 
 
@@ -218,24 +250,30 @@ def load_checkpoint(
 
     Refuses ``unsupported_attention`` (:func:`refuse_unpageable_attention`) before reading
     anything but the config; the experts loader's refusals pass through."""
-    from transformers import AutoConfig
-
-    from moetray.engine.experts import load_offloaded_model
+    from moetray.engine.experts import load_offloaded_model, offload_loaded
     from moetray.engine.models.precision import apply_format, torch_dtype
 
-    refuse_unpageable_attention(AutoConfig.from_pretrained(info.path))
-    progress("loading tokenizer", 0, None)
-    tokenizer = load_tokenizer(info.path)
+    refuse_unpageable_attention(info.config)
     dtype = torch_dtype(fmt.compute)
-    offloaded = load_offloaded_model(
-        info.path,
-        device=device,
-        dtype=dtype,
-        capacity=capacity,
-        policy=policy,
-        link_gbps=link_gbps,
-        progress=progress,
-    )
+    progress("loading tokenizer", 0, None)
+    if info.format == "gguf":
+        from moetray.engine.models.gguf import load_gguf, load_gguf_tokenizer
+
+        tokenizer = load_gguf_tokenizer(info.gguf)
+        model, store, modules = load_gguf(info.gguf, device=device, dtype=dtype, progress=progress)
+        offloaded = offload_loaded(model, store, modules, device=device, capacity=capacity, policy=policy,
+                                   link_gbps=link_gbps)
+    else:
+        tokenizer = load_tokenizer(info.path)
+        offloaded = load_offloaded_model(
+            info.path,
+            device=device,
+            dtype=dtype,
+            capacity=capacity,
+            policy=policy,
+            link_gbps=link_gbps,
+            progress=progress,
+        )
     model = offloaded.model.eval()
     apply_format(fmt, model, device)
     if top_k != info.top_k:

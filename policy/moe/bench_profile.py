@@ -113,21 +113,38 @@ class BandwidthProfile:
     def backend(self) -> Backend:
         """``"hybrid"`` only when the CPU beats the link by ``threshold`` (overlapped figures
         preferred), else ``"offload"``."""
-        if self.overlapped:
-            return recommend_backend(self.cpu_overlap_gbs, self.link_overlap_gbs, self.threshold)
-        return recommend_backend(self.cpu_gbs, self.link_gbs, self.threshold)
+        return self.backend_for()
+
+    def backend_for(self, link_bytes: int | None = None, cpu_bytes: int | None = None) -> Backend:
+        """:attr:`backend` for experts that move ``link_bytes`` over the link and make the CPU read
+        ``cpu_bytes`` (a quantized store: the link moves the stored blocks, the CPU reads them
+        decoded). The comparison is in experts per second: the link's bandwidth counts
+        ``cpu_bytes / link_bytes`` times over. Both None: equal sizes. Pure."""
+        link, cpu = self._rates()
+        return recommend_backend(cpu, _scaled(link, link_bytes, cpu_bytes), self.threshold)
 
     @property
     def fetch_fraction(self) -> float | None:
-        if self.overlapped:
-            return fetch_fraction(self.link_overlap_gbs, self.cpu_overlap_gbs, overlapped=True)
-        return fetch_fraction(self.link_gbs, self.cpu_gbs, overlapped=False)
+        return self.fetch_fraction_for()
 
-    def qstar(self) -> QStarPolicy | None:
-        """The q* policy for the hybrid backend, or None when every miss should be fetched."""
-        if self.backend != "hybrid":
+    def fetch_fraction_for(self, link_bytes: int | None = None, cpu_bytes: int | None = None) -> float | None:
+        """:attr:`fetch_fraction` for experts of those stored and decoded sizes (see
+        :meth:`backend_for`). Pure."""
+        link, cpu = self._rates()
+        return fetch_fraction(_scaled(link, link_bytes, cpu_bytes), cpu, overlapped=self.overlapped)
+
+    def _rates(self) -> tuple[float, float]:
+        if self.overlapped:
+            assert self.link_overlap_gbs is not None and self.cpu_overlap_gbs is not None
+            return self.link_overlap_gbs, self.cpu_overlap_gbs
+        return self.link_gbs, self.cpu_gbs
+
+    def qstar(self, link_bytes: int | None = None, cpu_bytes: int | None = None) -> QStarPolicy | None:
+        """The q* policy for the hybrid backend, or None when every miss should be fetched;
+        ``link_bytes`` / ``cpu_bytes`` as in :meth:`backend_for`."""
+        if self.backend_for(link_bytes, cpu_bytes) != "hybrid":
             return None
-        fraction = self.fetch_fraction
+        fraction = self.fetch_fraction_for(link_bytes, cpu_bytes)
         return QStarPolicy.from_fraction(fraction) if fraction is not None else QStarPolicy.fixed_cap(1)
 
     def to_json(self) -> dict[str, Any]:
@@ -221,6 +238,15 @@ def save_profile(directory: str | os.PathLike[str], profile: BandwidthProfile) -
             pass
         raise
     return path
+
+
+def _scaled(link_gbs: float, link_bytes: int | None, cpu_bytes: int | None) -> float:
+    """The link's bandwidth in the CPU's bytes: ``link × cpu_bytes / link_bytes`` (as is when
+    either size is unknown or not positive)."""
+    if not (_positive(link_bytes) and _positive(cpu_bytes)):
+        return link_gbs
+    assert link_bytes is not None and cpu_bytes is not None
+    return link_gbs * cpu_bytes / link_bytes
 
 
 def _positive(value: object) -> bool:

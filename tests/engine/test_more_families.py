@@ -142,14 +142,17 @@ def _fp8_copy(src, dest):
 
 
 def test_a_quantized_checkpoint_is_refused_before_loading(tiny_moe, tmp_path):
-    """An FP8 checkpoint with block scales would load without complaint (the store casts the
-    FP8 bytes to floats, the scale tensors have no place in the model) and compute garbage.
-    The loader and the engine's inspection refuse it by kind. Prevents: silently wrong output
-    from DeepSeek-V3's or gpt-oss's published (quantized) weights."""
-    checkpoint = _fp8_copy(checkpoint_of(tiny_moe, "deepseek_v3", "per_expert"), tmp_path / "fp8")
+    """An AWQ checkpoint would load without complaint (the store casts its packed bytes to floats,
+    its scales have no place in the model) and compute garbage. The loader and the engine's
+    inspection refuse it by kind (MXFP4 and fine-grained FP8 are served: test_quantized_hf.py).
+    Prevents: silently wrong output from weights quantized for another kernel."""
+    checkpoint = _fp8_copy(checkpoint_of(tiny_moe, "deepseek_v3", "per_expert"), tmp_path / "awq")
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (checkpoint / "config.json").write_text(json.dumps(config))
     with pytest.raises(LoaderError) as refused:
         load_offloaded_model(checkpoint, capacity=4)
-    assert refused.value.kind == "quantized_checkpoint" and refused.value.quant_method == "fp8"
+    assert refused.value.kind == "quantized_checkpoint" and refused.value.quant_method == "awq"
     with pytest.raises(CheckpointError) as refused_early:
         inspect_checkpoint(checkpoint)
     assert refused_early.value.kind == "quantized_checkpoint"

@@ -1,0 +1,331 @@
+"""`moetray bench peer`: the same GGUF served by llama.cpp and by moetray, side by side.
+
+llama.cpp runs through llama-cpp-python (an optional extra, ``pip install 'moetray[peer]'``: it
+compiles llama.cpp; skipped with a message where it is not installed), in a child process of its
+own so its RSS is its own; moetray runs as ``moetray serve --model FILE`` in another child, driven
+over HTTP with streaming. Same file, same prompts, same thread count, greedy decode; measured at
+concurrency 1 and 4: decode tok/s per request (tokens after the first / time after the first),
+aggregate tok/s, TTFT, and each process's RSS. llama-cpp-python's ``Llama`` decodes one sequence
+at a time, so its concurrent requests queue behind one another: its concurrency-4 figures show that.
+
+The default file is the demo exported with :func:`~moetray.engine.models.gguf_export.export_gguf`,
+avoiding two llama.cpp traps the demo meets: its shared-expert gates are exactly zero (llama.cpp's
+qwen2moe graph computes the gate's sigmoid as ``silu(x)/x``: NaN at 0; they are written as 1e-30,
+whose sigmoid is 0.5 as well), and its tied embeddings get an explicit ``output.weight``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from moetray.engine.bench.results import write_receipt
+
+PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a short poem about a cat who learns to code.",
+    "List three uses of a paperclip, one per line.",
+    "What is the capital of France, and what river runs through it?",
+]
+
+_LLAMA_CHILD = r"""
+import json, sys, threading, time, os
+import psutil
+from llama_cpp import Llama
+cfg = json.loads(sys.argv[1])
+llm = Llama(model_path=cfg["model"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_ctx=2048,
+            verbose=False, seed=0)
+lock = threading.Lock()
+def one(prompt):
+    msgs = [{"role": "user", "content": prompt}]
+    with lock:  # one Llama decodes one sequence at a time
+        t0 = time.perf_counter(); first = None; n = 0
+        for chunk in llm.create_chat_completion(msgs, max_tokens=cfg["tokens"], temperature=0.0, stream=True):
+            if chunk["choices"][0]["delta"].get("content"):
+                n += 1
+                if first is None:
+                    first = time.perf_counter()
+        end = time.perf_counter()
+    return {"ttft": (first or end) - t0, "tokens": n, "decode_s": end - (first or end)}
+out = {}
+one(cfg["prompts"][0])  # warm-up
+for conc in cfg["concurrency"]:
+    results = []
+    start = time.perf_counter()
+    ts = [threading.Thread(target=lambda p=p: results.append(one(p))) for p in cfg["prompts"][:conc]]
+    [t.start() for t in ts]; [t.join() for t in ts]
+    out[str(conc)] = {"requests": results, "wall_s": time.perf_counter() - start}
+out["rss"] = psutil.Process().memory_info().rss
+print(json.dumps(out))
+"""
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench peer] {msg}", file=sys.stderr, flush=True)
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _summary(runs: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for conc, run in runs.items():
+        if not conc.isdigit():
+            continue
+        reqs = run["requests"]
+        decode = [(r["tokens"] - 1) / r["decode_s"] for r in reqs if r["tokens"] > 1 and r["decode_s"] > 0]
+        out[conc] = {
+            "decode_tok_s": statistics.median(decode) if decode else None,
+            "aggregate_tok_s": sum(r["tokens"] for r in reqs) / run["wall_s"],
+            "ttft_ms": statistics.median(r["ttft"] for r in reqs) * 1e3,
+            "tokens": [r["tokens"] for r in reqs],
+        }
+    return out
+
+
+def _run_llama(model: Path, args) -> dict[str, Any]:
+    cfg = {
+        "model": str(model),
+        "threads": args.threads,
+        "tokens": args.tokens,
+        "prompts": PROMPTS,
+        "concurrency": args.concurrency,
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _LLAMA_CHILD, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"llama.cpp child failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _stream_one(url: str, prompt: str, tokens: int) -> dict[str, Any]:
+    import httpx
+
+    t0 = time.perf_counter()
+    first, n = None, 0
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"]
+            if delta.get("content") or delta.get("reasoning_content"):
+                n += 1
+                first = first or time.perf_counter()
+    end = time.perf_counter()
+    return {"ttft": (first or end) - t0, "tokens": n, "decode_s": end - (first or end)}
+
+
+def _run_moetray(model: Path, args) -> dict[str, Any]:
+    import httpx
+    import psutil
+
+    from moetray.engine.serve import DEFAULT_PORT
+
+    port = args.port or DEFAULT_PORT + 7
+    env = {**os.environ, "MOETRAY_ADMIN_TOKEN": "bench-peer", "OMP_NUM_THREADS": str(args.threads)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "moetray.app.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--threads",
+        str(args.threads),
+        "--log-level",
+        "warning",
+    ]
+    if args.moe_capacity:
+        cmd += ["--moe-capacity", args.moe_capacity]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + args.timeout
+        state = None
+        while time.monotonic() < deadline and state not in ("serving", "failed"):
+            try:
+                state = httpx.get(f"{url}/health", timeout=2).json()["state"]
+            except httpx.HTTPError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"moetray serve exited: {proc.stderr.read()[-2000:]}") from None
+            time.sleep(0.2)
+        if state != "serving":
+            raise RuntimeError(f"moetray serve never served {model} (state {state})")
+        out: dict[str, Any] = {}
+        _stream_one(url, PROMPTS[0], args.tokens)  # warm-up
+        for conc in args.concurrency:
+            results: list[dict[str, Any]] = []
+            start = time.perf_counter()
+            threads = [
+                threading.Thread(target=lambda p=p, out=results: out.append(_stream_one(url, p, args.tokens)))
+                for p in PROMPTS[:conc]
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            out[str(conc)] = {"requests": results, "wall_s": time.perf_counter() - start}
+        out["rss"] = psutil.Process(proc.pid).memory_info().rss
+        status = httpx.get(f"{url}/admin/status", headers={"Authorization": "Bearer bench-peer"}).json()
+        out["expert_store_format"] = status["experts"]["expert_store_format"]
+        out["moe_slots"] = status["pools"]["moe_slots"]
+        return out
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moetray bench peer", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--gguf", type=Path, default=None, help="the file both serve (default: the demo, exported)"
+    )
+    parser.add_argument(
+        "--types", default="F16,Q8_0", help="with the demo: the GGUF types to export and compare"
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    parser.add_argument(
+        "--moe-capacity", default="100%", help="moetray's expert slots (default: every expert)"
+    )
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args(argv)
+    if not llama_cpp_available():
+        print(
+            "moetray bench peer: skipped: llama-cpp-python is not installed (an optional extra that "
+            "compiles llama.cpp: pip install 'moetray[peer]')",
+            file=sys.stderr,
+        )
+        return 0
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moetray-bench-peer-"))
+    files: list[tuple[str, Path]] = []
+    if args.gguf is not None:
+        files.append((args.gguf.name, args.gguf))
+    else:
+        from moetray.engine.demo import ensure_demo_model
+        from moetray.engine.models.gguf_export import export_gguf
+
+        demo = ensure_demo_model()
+        for qtype in args.types.split(","):
+            dest = workdir / f"demo-{qtype}.gguf"
+            if not dest.exists():
+                _progress(f"exporting the demo as {qtype}")
+                export_gguf(demo, dest, qtype, output_weight=True, gate_floor=1e-30)
+            files.append((f"demo {qtype}", dest))
+    rows, table = [], []
+    for label, path in files:
+        _progress(f"{label}: llama.cpp")
+        llama = _run_llama(path, args)
+        _progress(f"{label}: moetray")
+        ours = _run_moetray(path, args)
+        ls, ms = _summary(llama), _summary(ours)
+        for conc in map(str, args.concurrency):
+            row = {
+                "file": label,
+                "concurrency": int(conc),
+                "llama_cpp": ls[conc],
+                "moetray": ms[conc],
+                "llama_rss": llama["rss"],
+                "moetray_rss": ours["rss"],
+                "moetray_store": ours.get("expert_store_format"),
+            }
+            for key in ("decode_tok_s", "aggregate_tok_s", "ttft_ms"):
+                a, b = ms[conc][key], ls[conc][key]
+                row[f"{key}_ratio"] = a / b if a and b else None
+            rows.append(row)
+            table.append(
+                [
+                    label,
+                    int(conc),
+                    ls[conc]["decode_tok_s"],
+                    ms[conc]["decode_tok_s"],
+                    row["decode_tok_s_ratio"],
+                    ls[conc]["aggregate_tok_s"],
+                    ms[conc]["aggregate_tok_s"],
+                    ls[conc]["ttft_ms"],
+                    ms[conc]["ttft_ms"],
+                    llama["rss"] / 2**20,
+                    ours["rss"] / 2**20,
+                ]
+            )
+            lc, mc = ls[conc], ms[conc]
+            _progress(
+                f"  c={conc}: decode llama.cpp {lc['decode_tok_s']} vs moetray {mc['decode_tok_s']} tok/s; "
+                f"TTFT {lc['ttft_ms']:.0f} vs {mc['ttft_ms']:.0f} ms"
+            )
+    path = write_receipt(
+        "peer",
+        params={
+            "threads": args.threads,
+            "tokens": args.tokens,
+            "concurrency": args.concurrency,
+            "moe_capacity": args.moe_capacity,
+            "files": [label for label, _ in files],
+        },
+        results={"rows": rows},
+        columns=[
+            "file",
+            "concurrency",
+            "llama.cpp decode tok/s",
+            "moetray decode tok/s",
+            "moetray ÷ llama.cpp",
+            "llama.cpp aggregate tok/s",
+            "moetray aggregate tok/s",
+            "llama.cpp TTFT ms",
+            "moetray TTFT ms",
+            "llama.cpp RSS MiB",
+            "moetray RSS MiB",
+        ],
+        rows=table,
+        title="moetray vs llama.cpp on the same GGUF (llama-cpp-python, CPU)",
+        notes=[
+            "Same file, prompts, thread count and greedy decode; each server in its own child process. "
+            "Decode tok/s: per request, tokens after the first over the time after the first (median). "
+            "llama-cpp-python's Llama decodes one sequence at a time: its concurrent requests queue.",
+            "reproduce: `.venv/bin/moetray bench peer "
+            + " ".join(a for a in argv if "workdir" not in a)
+            + "`",
+        ],
+    )
+    _progress(f"receipt: {path}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,208 @@
+"""The models already on this machine: listed by reading headers and configs, never tensors.
+
+:func:`list_models` walks the Hugging Face hub cache, LM Studio's folders, the Ollama store, the
+recent folders the tray passes in and the demo, and returns one ``policy.wire.LocalModel`` row per
+model, with ``servable`` and the refusal kind that keeps it from being served (``not_moe`` for a
+dense model, ``quantized_checkpoint`` for GPTQ/AWQ/bitsandbytes, ``unsupported_quant_type``,
+``unsupported_family``, ``unreadable_checkpoint`` for a truncated file or a missing blob). A GGUF
+header is read through transformers' reader, which skips the vocabulary: a large store lists in
+well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from moetray.engine.models.checkpoint import CheckpointError
+from moetray.engine.models.gguf import SPLIT_RE, read_gguf
+from moetray.engine.models.names import (
+    DEMO,
+    hf_hub_root,
+    hf_snapshot,
+    lmstudio_roots,
+    ollama_blob,
+    ollama_root,
+)
+from moetray.policy.wire import LocalModel
+
+__all__ = ["SERVED_QUANT_METHODS", "describe_folder", "describe_gguf", "list_models"]
+
+SERVED_QUANT_METHODS = ("mxfp4", "fp8")
+"""Hugging Face quantization methods whose experts the store keeps quantized; others are refused."""
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _row(
+    name: str,
+    source: str,
+    path: Path,
+    fmt: str,
+    family: str | None,
+    moe: bool | None,
+    nbytes: int | None,
+    refusal: str | None,
+) -> LocalModel:
+    return {
+        "name": name,
+        "source": source,
+        "path": str(path),
+        "format": fmt,
+        "family": family,
+        "moe": moe,
+        "bytes": nbytes,
+        "servable": refusal is None,
+        "refusal": refusal,
+    }
+
+
+def _size(paths: Iterable[Path]) -> int | None:
+    try:
+        return sum(p.stat().st_size for p in paths)  # stat follows the hub cache's symlinks to blobs
+    except OSError:
+        return None
+
+
+def describe_gguf(name: str, source: str, path: Path) -> LocalModel:
+    """One row for the GGUF model at ``path`` (its headers only)."""
+    from moetray.engine.models.gguf import gguf_files
+
+    family = moe = None
+    try:
+        ck = read_gguf(path)
+        family, moe, refusal = ck.arch, True, None
+        files = ck.files
+    except CheckpointError as exc:
+        refusal = exc.kind
+        moe = False if exc.kind == "not_moe" else None
+        family = getattr(exc, "model_type", None)
+        try:
+            files = gguf_files(path)
+        except CheckpointError:
+            files = [path]
+    return _row(name, source, path, "gguf", family, moe, _size(f for f in files if f.exists()), refusal)
+
+
+def _text_config(cfg: dict) -> dict:
+    return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def describe_folder(name: str, source: str, folder: Path) -> LocalModel:
+    """One row for a Hugging Face folder (its ``config.json`` only)."""
+    files = [p for p in folder.iterdir() if p.is_file() or p.is_symlink()] if folder.is_dir() else []
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return _row(name, source, folder, "safetensors", None, None, _size(files), "unreadable_checkpoint")
+    text = _text_config(cfg)
+    family = text.get("model_type") or cfg.get("model_type")
+    counts = [text.get(k) for k in _EXPERT_COUNT_KEYS if isinstance(text.get(k), int)]
+    moe = bool(counts and max(counts) > 1)
+    quant = cfg.get("quantization_config") or text.get("quantization_config") or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if not moe:
+        refusal = "not_moe"
+    elif method and method not in SERVED_QUANT_METHODS:
+        refusal = "quantized_checkpoint"
+    elif not any(folder.glob("*.safetensors")):
+        refusal = "unreadable_checkpoint"
+    else:
+        refusal = None
+    return _row(name, source, folder, "safetensors", family, moe, _size(files), refusal)
+
+
+def _first_ggufs(folder: Path) -> list[Path]:
+    """The GGUF models in ``folder``: plain files and the first part of each split set."""
+    out = []
+    for p in sorted(folder.glob("*.gguf")):
+        m = SPLIT_RE.match(p.name)
+        if p.name.startswith("mmproj") or (m is not None and m["no"] != "00001"):
+            continue
+        out.append(p)
+    return out
+
+
+def _huggingface(environ: Mapping[str, str]) -> list[LocalModel]:
+    root = hf_hub_root(environ)
+    rows = []
+    for repo in sorted(root.glob("models--*--*")) if root.is_dir() else []:
+        org, _, name = repo.name.removeprefix("models--").partition("--")
+        snap = hf_snapshot(repo)
+        if snap is None:
+            continue
+        if (snap / "config.json").is_file():
+            rows.append(describe_folder(f"hf:{org}/{name}", "huggingface", snap))
+        for gguf in _first_ggufs(snap):
+            rows.append(describe_gguf(f"hf:{org}/{name}/{gguf.name}", "huggingface", gguf))
+    return rows
+
+
+def _lmstudio(environ: Mapping[str, str]) -> list[LocalModel]:
+    rows, seen = [], set()
+    for root in lmstudio_roots(environ):
+        for folder in sorted(p for p in root.glob("*/*") if p.is_dir()) if root.is_dir() else []:
+            for gguf in _first_ggufs(folder):
+                name = f"lmstudio:{gguf.relative_to(root).as_posix()}"
+                if name not in seen:
+                    seen.add(name)
+                    rows.append(describe_gguf(name, "lmstudio", gguf))
+    return rows
+
+
+def _ollama(environ: Mapping[str, str]) -> list[LocalModel]:
+    root = ollama_root(environ)
+    manifests = root / "manifests"
+    rows = []
+    for manifest in sorted(p for p in manifests.rglob("*") if p.is_file()) if manifests.is_dir() else []:
+        parts = manifest.relative_to(manifests).parts
+        if len(parts) < 3:
+            continue
+        *model, tag = parts
+        if tuple(model[:2]) == ("registry.ollama.ai", "library"):
+            model = model[2:]
+        name = f"ollama:{'/'.join(model)}:{tag}"
+        try:
+            blob = ollama_blob(root, manifest)
+        except CheckpointError:
+            rows.append(_row(name, "ollama", manifest, "gguf", None, None, None, "unreadable_checkpoint"))
+            continue
+        if not blob.is_file():
+            rows.append(_row(name, "ollama", blob, "gguf", None, None, None, "unreadable_checkpoint"))
+            continue
+        rows.append(describe_gguf(name, "ollama", blob))
+    return rows
+
+
+def _demo() -> LocalModel:
+    from moetray.engine.demo import demo_model_path
+
+    path = demo_model_path()
+    built = (path / "config.json").is_file()
+    row = (
+        describe_folder(DEMO, "demo", path)
+        if built
+        else _row(DEMO, "demo", path, "safetensors", "qwen2_moe", True, None, None)
+    )
+    return row  # built on first use when absent: servable either way
+
+
+def list_models(
+    environ: Mapping[str, str] | None = None, recent: Iterable[str | Path] = ()
+) -> list[LocalModel]:
+    """Every model found on disk, in the order: demo, recent folders, Hugging Face, LM Studio, Ollama."""
+    from moetray.engine.models.gguf import is_gguf_path
+
+    env = os.environ if environ is None else environ
+    rows = [_demo()]
+    for folder in recent:
+        path = Path(folder).expanduser()
+        if not path.exists():
+            continue
+        rows.append(
+            describe_gguf(str(path), "recent", path)
+            if is_gguf_path(path)
+            else describe_folder(str(path), "recent", path)
+        )
+    return rows + _huggingface(env) + _lmstudio(env) + _ollama(env)

@@ -1,0 +1,480 @@
+"""GGUF checkpoints: finding the file(s), reading the config from the metadata, loading with the
+experts kept in their blocks.
+
+``moetray serve --model`` accepts a ``.gguf`` file, a folder holding one, or the first file of a
+split set (``…-00001-of-0000N.gguf``). Headers are read through transformers' GGUF reader
+(:mod:`moetray.engine.models.hf`); the config is built here from the metadata (transformers'
+legacy mapping takes qwen2moe/qwen3moe expert sizes from defaults and assumes attention biases).
+Families: qwen2moe, qwen3moe, and llama files with ``ffn_*_exps`` tensors (Mixtral). Non-expert
+weights are dequantized at load (gguf-py's arithmetic, bit for bit); the routed experts go to a
+:class:`~moetray.engine.experts.store.QuantizedExpertStore` as the file's blocks. The tokenizer and
+chat template come from the metadata (``AutoTokenizer.from_pretrained(…, gguf_file=…)``).
+
+Refusals (:class:`~moetray.engine.models.checkpoint.CheckpointError`): ``unreadable_checkpoint``
+(truncated or corrupt file, missing part of a split set; names the file), ``unsupported_quant_type``
+(names the type and a tensor), ``unsupported_family`` (architecture), ``not_moe`` (dense model).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import struct
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moetray.engine.models.checkpoint import CheckpointError
+from moetray.engine.models.hf import GgufHeader, GgufTensor, read_header
+
+__all__ = ["GgufCheckpoint", "gguf_files", "is_gguf_path", "load_gguf", "load_gguf_tokenizer", "read_gguf"]
+
+log = logging.getLogger(__name__)
+
+SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+MOE_FAMILIES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}
+LATER_FAMILIES = {
+    "qwen35moe": "Qwen3.5/3.6-MoE (hybrid recurrent layers) is served once the hybrid "
+    "recurrent-state pool lands",
+    "gpt-oss": "gpt-oss GGUF files are not mapped yet (its Hugging Face MXFP4 checkpoint is)",
+}
+DENSE_FAMILIES = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral", "falcon"}
+_EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    """A ``.gguf`` file, a file that starts with the GGUF magic (an Ollama blob has no suffix), or a
+    folder holding one and no ``config.json``."""
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return True
+    if p.is_file():
+        try:
+            with open(p, "rb") as fh:
+                return fh.read(4) == b"GGUF"
+        except OSError:
+            return False
+    return p.is_dir() and not (p / "config.json").is_file() and any(p.glob("*.gguf"))
+
+
+def gguf_files(path: str | Path) -> list[Path]:
+    """The file(s) of the GGUF model at ``path``: the file itself, every part of its split set, or
+    the one model in a folder. Refuses ``not_a_checkpoint`` (nothing there, or a folder with several
+    models) and ``unreadable_checkpoint`` (a part of the split set is missing)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        found = sorted(q for q in p.glob("*.gguf") if not q.name.startswith("mmproj"))
+        firsts = [q for q in found if not SPLIT_RE.match(q.name) or SPLIT_RE.match(q.name)["no"] == "00001"]
+        if len(firsts) != 1:
+            raise CheckpointError("not_a_checkpoint", f"{p} holds {len(firsts)} GGUF models; name the file")
+        p = firsts[0]
+    if not p.is_file():
+        raise CheckpointError("not_a_checkpoint", f"{p} is not a GGUF file")
+    m = SPLIT_RE.match(p.name)
+    if m is None:
+        return [p]
+    count = int(m["count"])
+    parts = [p.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [q.name for q in parts if not q.is_file()]
+    if missing:
+        raise CheckpointError(
+            "unreadable_checkpoint",
+            f"split set {p.name} lacks {', '.join(missing)}",
+            file=str(parts[0].parent / missing[0]),
+        )
+    return parts
+
+
+@dataclass
+class GgufCheckpoint:
+    """What a GGUF model is, read from its headers alone."""
+
+    files: list[Path]
+    metadata: dict
+    tensors: dict[str, GgufTensor]
+    arch: str
+    config: Any  # a transformers config built from the metadata
+
+    @property
+    def path(self) -> Path:
+        return self.files[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+
+def _header(path: Path) -> GgufHeader:
+    try:
+        return read_header(path)
+    except (ValueError, struct.error, IndexError, OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            "unreadable_checkpoint", f"{path}: not a readable GGUF file ({exc})", file=str(path)
+        ) from exc
+
+
+def read_headers(path: str | Path) -> tuple[list[Path], dict, dict[str, GgufTensor]]:
+    """``(files, metadata of the first file, every tensor by name)``, checked whole: every tensor's
+    bytes lie inside its file and every part of a split set is there. Reads no tensor data."""
+    from moetray.engine.experts.codecs import ggml_nbytes
+
+    files = gguf_files(path)
+    headers = [_header(f) for f in files]
+    metadata = headers[0].metadata
+    tensors: dict[str, GgufTensor] = {}
+    for header in headers:
+        for t in header.tensors:
+            try:
+                end = t.offset + ggml_nbytes(t.ggml_type, int(np.prod(t.shape)))
+            except (KeyError, ValueError):
+                end = t.offset  # an unknown type: refused by name once the types are checked
+            if end > header.file_bytes:
+                raise CheckpointError(
+                    "unreadable_checkpoint",
+                    f"{header.path} is cut short: tensor {t.name} "
+                    f"ends at byte {end}, the file has {header.file_bytes}",
+                    file=str(header.path),
+                )
+            tensors[t.name] = t
+    declared = metadata.get("split.tensors.count")
+    if isinstance(declared, int) and declared != len(tensors):
+        raise CheckpointError(
+            "unreadable_checkpoint",
+            f"{files[0]}: the split set declares {declared} tensors, its parts hold {len(tensors)}",
+            file=str(files[0]),
+        )
+    return files, metadata, tensors
+
+
+def refuse_unsupported_types(tensors: dict[str, GgufTensor]) -> None:
+    """Refuses ``unsupported_quant_type`` naming the first tensor of a type moetray does not decode."""
+    from moetray.engine.experts.codecs import SUPPORTED_GGML_TYPES, ggml_type_name
+
+    for t in tensors.values():
+        if t.ggml_type not in SUPPORTED_GGML_TYPES:
+            name = ggml_type_name(t.ggml_type)
+            raise CheckpointError(
+                "unsupported_quant_type",
+                f"tensor {t.name} is stored as {name}, which moetray "
+                "does not decode (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K…Q6_K, "
+                "MXFP4 are)",
+                quant_type=name,
+                tensor=t.name,
+            )
+
+
+def _moe_blocks(tensors: dict[str, GgufTensor], blocks: int) -> list[int]:
+    return [i for i in range(blocks) if f"blk.{i}.ffn_gate_exps.weight" in tensors]
+
+
+def gguf_config(arch: str, metadata: dict, tensors: dict[str, GgufTensor]):
+    """The transformers config of a GGUF model, from its metadata and tensor shapes (a shape wins
+    over a metadata key that disagrees). Refuses ``unsupported_family`` and ``not_moe``."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    if arch in LATER_FAMILIES:
+        raise CheckpointError(
+            "unsupported_family", f"GGUF architecture {arch}: {LATER_FAMILIES[arch]}", model_type=arch
+        )
+
+    def key(name: str, default=None):
+        return metadata.get(f"{arch}.{name}", default)
+
+    blocks = key("block_count")
+    if not isinstance(blocks, int):
+        raise CheckpointError("unreadable_checkpoint", f"GGUF metadata names no {arch}.block_count")
+    moe = _moe_blocks(tensors, blocks)
+    if not moe:
+        if arch in MOE_FAMILIES or arch in DENSE_FAMILIES:
+            raise CheckpointError(
+                "not_moe",
+                f"this {arch} GGUF has no expert tensors (ffn_*_exps): a dense "
+                "model, which moetray does not serve",
+                model_type=arch,
+            )
+        raise CheckpointError(
+            "unsupported_family",
+            f"GGUF architecture {arch} is not one moetray maps (qwen2moe, qwen3moe, llama/Mixtral)",
+            model_type=arch,
+        )
+    if arch not in MOE_FAMILIES:
+        raise CheckpointError(
+            "unsupported_family",
+            f"GGUF architecture {arch} is not one moetray maps (qwen2moe, qwen3moe, llama/Mixtral)",
+            model_type=arch,
+        )
+    first = moe[0]
+    experts, inter, hidden = tensors[f"blk.{first}.ffn_gate_exps.weight"].shape
+    vocab = tensors["token_embd.weight"].shape[0]
+    heads = key("attention.head_count")
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=blocks,
+        num_attention_heads=heads,
+        num_key_value_heads=key("attention.head_count_kv", heads),
+        max_position_embeddings=key("context_length", 4096),
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+    )
+    top_k = key("expert_used_count")
+    if key("expert_count", experts) != experts:
+        log.warning(
+            "GGUF says %s experts, its tensors hold %s; using the tensors", key("expert_count"), experts
+        )
+    dense = [i for i in range(blocks) if i not in moe]
+    if arch == "llama":
+        q = tensors[f"blk.{first}.attn_q.weight"].shape[0]
+        return MixtralConfig(
+            **common,
+            head_dim=q // heads,
+            intermediate_size=inter,
+            num_local_experts=experts,
+            num_experts_per_tok=top_k,
+            sliding_window=None,
+        )
+    ffn = tensors.get(f"blk.{dense[0]}.ffn_gate.weight") if dense else None
+    dense_inter = ffn.shape[0] if ffn is not None else key("feed_forward_length", inter)
+    if arch == "qwen2moe":
+        shared = tensors.get(f"blk.{first}.ffn_gate_shexp.weight")
+        return Qwen2MoeConfig(
+            **common,
+            intermediate_size=dense_inter,
+            moe_intermediate_size=inter,
+            shared_expert_intermediate_size=shared.shape[0] if shared is not None else 0,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=False,
+            qkv_bias=f"blk.{first}.attn_q.bias" in tensors,
+            decoder_sparse_step=1,
+            mlp_only_layers=dense,
+            use_sliding_window=False,
+        )
+    q_norm = tensors.get(f"blk.{first}.attn_q_norm.weight")
+    head_dim = q_norm.shape[0] if q_norm is not None else key("attention.key_length", hidden // heads)
+    return Qwen3MoeConfig(
+        **common,
+        head_dim=head_dim,
+        intermediate_size=dense_inter,
+        moe_intermediate_size=inter,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        attention_bias=f"blk.{first}.attn_q.bias" in tensors,
+        decoder_sparse_step=1,
+        mlp_only_layers=dense,
+    )
+
+
+def read_gguf(path: str | Path) -> GgufCheckpoint:
+    """Every fact about the GGUF model at ``path`` that needs no tensor data (see the refusals above)."""
+    files, metadata, tensors = read_headers(path)
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise CheckpointError(
+            "unreadable_checkpoint", f"{files[0]} names no general.architecture", file=str(files[0])
+        )
+    config = gguf_config(arch, metadata, tensors)
+    refuse_unsupported_types(tensors)
+    config.architectures = [
+        {"qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM"}[
+            arch
+        ]
+    ]
+    return GgufCheckpoint(files, metadata, tensors, arch, config)
+
+
+# --- loading ---------------------------------------------------------------------------------------
+
+
+class _Files:
+    """Memory maps of the files, opened once; ``bytes(t, start, n)`` is a ``uint8`` view (no copy)."""
+
+    def __init__(self):
+        self._maps: dict[Path, np.ndarray] = {}
+
+    def view(self, path: Path, start: int, nbytes: int) -> torch.Tensor:
+        blob = self._maps.get(path)
+        if blob is None:
+            blob = self._maps[path] = np.memmap(path, mode="r", dtype=np.uint8)
+        with warnings.catch_warnings():  # read-only map: torch warns it cannot be written (it never is)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(blob[start : start + nbytes])
+
+
+def _dequantized(files: _Files, t: GgufTensor) -> torch.Tensor:
+    """A tensor's values in float32, shaped as the file's (torch order)."""
+    from moetray.engine.experts.codecs import dequantize, ggml_nbytes
+
+    numel = int(np.prod(t.shape))
+    raw = files.view(t.path, t.offset, ggml_nbytes(t.ggml_type, numel))
+    return dequantize(raw, t.ggml_type, torch.float32).view(t.shape)
+
+
+def _reverse_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """Undo llama.cpp's converter's Q/K permutation (transformers' legacy loader does the same)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    dim = weights.shape[0] // n_head // 2
+    return weights.reshape(n_head, dim, 2, *weights.shape[1:]).swapaxes(2, 1).reshape(weights.shape)
+
+
+def _non_expert_state(
+    ck: GgufCheckpoint, model, files: _Files, dtype: torch.dtype, progress: Callable[[int, int], None]
+) -> dict[str, torch.Tensor]:
+    """Every non-expert parameter and persistent buffer of ``model``, dequantized from the file."""
+    import gguf
+
+    config = ck.config
+    names = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH[{"qwen2moe": "QWEN2MOE", "qwen3moe": "QWEN3MOE", "llama": "LLAMA"}[ck.arch]],
+        config.num_hidden_layers,
+    )
+    wanted = []
+    for key in model.state_dict():
+        base, _, suffix = key.rpartition(".")
+        if base.endswith(".experts") or (config.tie_word_embeddings and key == "lm_head.weight"):
+            continue
+        name = names.get_name(base)
+        if name is None or f"{name}.{suffix}" not in ck.tensors:
+            continue  # missing_weights is raised by the assignment if a parameter stays empty
+        wanted.append((key, ck.tensors[f"{name}.{suffix}"]))
+    state = {}
+    meta = model.state_dict()
+    for done, (key, t) in enumerate(wanted, start=1):
+        values = _dequantized(files, t)
+        if ck.arch == "llama" and t.name.endswith("attn_q.weight"):
+            values = _reverse_permute(values, config.num_attention_heads, config.num_attention_heads)
+        elif ck.arch == "llama" and t.name.endswith("attn_k.weight"):
+            values = _reverse_permute(values, config.num_attention_heads, config.num_key_value_heads)
+        target = meta[key]
+        if tuple(values.shape) != tuple(target.shape):
+            if values.numel() != target.numel():
+                raise CheckpointError(
+                    "unreadable_checkpoint",
+                    f"{t.name}: {tuple(values.shape)} in the file, the model needs {tuple(target.shape)}",
+                    file=str(t.path),
+                )
+            values = values.reshape(target.shape)  # the shared-expert gate: [H] in GGUF, [1, H] here
+        state[key] = values.to(dtype).clone()
+        progress(done, len(wanted))
+    return state
+
+
+def _expert_codecs(ck: GgufCheckpoint, store_layers, moe_blocks: list[int]):
+    """Per MoE layer, the :class:`RowCodec` of one expert (gate, up, down as the file stores them)
+    and the reader of each part's bytes for every expert of the layer."""
+    from moetray.engine.experts.codecs import Part, RowCodec, ggml_decoder, ggml_type_name
+    from moetray.engine.experts.store import ExpertStoreError
+
+    codecs, sources = [], []
+    for layer, block in zip(store_layers, moe_blocks, strict=True):
+        geo = layer.geometry
+        if geo.is_transposed or not geo.has_gate or geo.has_bias or not geo.is_concatenated:
+            raise ExpertStoreError(
+                "unsupported_layout",
+                f"{layer.module_name}: only gated, untransposed, unbiased experts are mapped from GGUF",
+            )
+        gate_up = next(s for s in geo.segments if s.name == "gate_up_proj")
+        down = next(s for s in geo.segments if s.name == "down_proj")
+        inter, hidden = gate_up.shape[0] // 2, gate_up.shape[1]
+        targets = {
+            "ffn_gate_exps": (gate_up.offset, (inter, hidden)),
+            "ffn_up_exps": (gate_up.offset + inter * hidden, (inter, hidden)),
+            "ffn_down_exps": (down.offset, down.shape),
+        }
+        parts, layer_sources, src = [], [], 0
+        for stem in _EXPERT_PARTS:
+            t = ck.tensors.get(f"blk.{block}.{stem}.weight")
+            dest, shape = targets[stem]
+            if t is None or tuple(t.shape) != (layer.num_experts, *shape):
+                got = None if t is None else tuple(t.shape)
+                raise ExpertStoreError(
+                    "shape_mismatch",
+                    f"blk.{block}.{stem}: {got} in the file, expected {(layer.num_experts, *shape)}",
+                )
+            decode, nbytes = ggml_decoder(t.ggml_type, shape)
+            numel = int(np.prod(shape))
+
+            def place(out, values, dest=dest, numel=numel, shape=shape):
+                out[dest : dest + numel].view(shape).copy_(values)
+
+            parts.append(Part(src, nbytes, decode, place, ggml_type_name(t.ggml_type)))
+            layer_sources.append((t, nbytes))
+            src += nbytes
+        codecs.append(RowCodec(parts, geo.row_numel))
+        sources.append(layer_sources)
+    return codecs, sources
+
+
+def load_gguf(
+    ck: GgufCheckpoint,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: Callable[[str, int, int | None], None] | None = None,
+):
+    """Build ``ck``'s model (non-expert weights dequantized onto ``device``) and its quantized expert
+    store. Returns ``(model, store, experts modules)`` for
+    :func:`moetray.engine.experts.offload_loaded`."""
+    from moetray.engine.experts.loader import (
+        assign_non_expert_weights,
+        build_skeleton,
+        expert_modules,
+        store_layers_of,
+    )
+    from moetray.engine.experts.store import QuantizedExpertStore
+
+    def report(stage: str, done: int, total: int | None) -> None:
+        if progress is not None:
+            progress(stage, done, total)
+
+    report("building model skeleton", 0, None)
+    model = build_skeleton(None, dtype, copy.deepcopy(ck.config))  # the runtime marks its config
+    experts = expert_modules(model)
+    store_layers = store_layers_of(experts)
+    moe_blocks = _moe_blocks(ck.tensors, ck.config.num_hidden_layers)
+    if len(moe_blocks) != len(store_layers):
+        raise CheckpointError(
+            "unreadable_checkpoint",
+            f"{len(moe_blocks)} GGUF blocks hold experts, the model has {len(store_layers)} MoE layers",
+            file=str(ck.path),
+        )
+    files = _Files()
+    state = _non_expert_state(
+        ck, model, files, dtype, lambda d, t: report("loading non-expert weights", d, t)
+    )
+    assign_non_expert_weights(model, state, [mod for _, mod in experts], device)
+    del state
+    codecs, sources = _expert_codecs(ck, store_layers, moe_blocks)
+
+    def read_part(layer: int, part: int) -> torch.Tensor:
+        t, nbytes = sources[layer][part]
+        return files.view(t.path, t.offset, t.shape[0] * nbytes).view(t.shape[0], nbytes)
+
+    report("building expert store", 0, len(store_layers))
+    store = QuantizedExpertStore.build_quantized(
+        store_layers,
+        codecs,
+        read_part,
+        dtype=dtype,
+        progress=lambda d, t: report("building expert store", d, t),
+    )
+    return model, store, [mod for _, mod in experts]
+
+
+def load_gguf_tokenizer(ck: GgufCheckpoint):
+    """The tokenizer and chat template from the metadata, converted by transformers."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ck.path.parent, gguf_file=ck.path.name)

@@ -1,0 +1,153 @@
+"""A GGUF served by name: `moetray serve --model ollama:NAME:TAG` (a real child process) reads the
+Ollama blob in place, serves chat, and reports its quantized expert store; a live engine over a
+GGUF file answers through the OpenAI routes; a name whose blob is gone is refused before serving."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from engine_harness import ADMIN, LiveEngine
+from test_serve_cli import child_env, free_port
+
+from moetray.engine.models.gguf_export import export_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tiny_moe import make_tiny_moe
+
+    root = tmp_path_factory.mktemp("gguf-serve")
+    return export_gguf(make_tiny_moe(root / "src", "qwen3_moe"), root / "tiny-Q8_0.gguf", "Q8_0")[0]
+
+
+def _ollama_home(home: Path, gguf: Path | None, name: str = "tiny", tag: str = "q8") -> None:
+    models = home / ".ollama" / "models"
+    data = gguf.read_bytes() if gguf else b"missing"
+    digest = hashlib.sha256(data).hexdigest()
+    (models / "blobs").mkdir(parents=True, exist_ok=True)
+    if gguf:
+        (models / "blobs" / f"sha256-{digest}").write_bytes(data)
+    manifest = models / "manifests" / "registry.ollama.ai" / "library" / name / tag
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(
+        json.dumps(
+            {
+                "schemaVersion": 2,
+                "layers": [
+                    {
+                        "mediaType": "application/vnd.ollama.image.model",
+                        "digest": f"sha256:{digest}",
+                        "size": len(data),
+                    }
+                ],
+            }
+        )
+    )
+
+
+def _serve_cmd(model: str, port: int, tmp_path: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "moetray.app.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--budget-bytes",
+        "256M",
+        "--kv-tokens",
+        "1024",
+        "--threads",
+        "1",
+        "--moe-capacity",
+        "50%",
+        "--outbox-dir",
+        str(tmp_path / "out"),
+    ]
+
+
+def test_serve_by_ollama_name_reads_the_blob_in_place(tiny_gguf, tmp_path):
+    _ollama_home(tmp_path / "home", tiny_gguf)
+    env = {**child_env(tmp_path), "HOME": str(tmp_path / "home"), "MOETRAY_ADMIN_TOKEN": "t0ken"}
+    env.pop("OLLAMA_MODELS", None)
+    port = free_port()
+    proc = subprocess.Popen(
+        _serve_cmd("ollama:tiny:q8", port, tmp_path),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        health, deadline = {}, time.monotonic() + 120
+        while time.monotonic() < deadline and health.get("state") not in ("serving", "failed"):
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.1)
+        assert health.get("state") == "serving", f"engine never served the Ollama blob: {health}"
+        status = httpx.get(
+            f"http://127.0.0.1:{port}/admin/status", headers={"Authorization": "Bearer t0ken"}
+        ).json()
+        experts = status["experts"]
+        assert experts["expert_store_format"] == "Q8_0"
+        assert 0 < experts["expert_store_bytes"] < os.path.getsize(tiny_gguf)
+        assert status["model"]["path"].startswith(str(tmp_path / "home" / ".ollama" / "models" / "blobs"))
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            timeout=60,
+            json={
+                "model": status["model"]["id"],
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+            },
+        )
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=30)
+
+
+def test_serve_refuses_a_name_whose_blob_is_gone(tmp_path):
+    _ollama_home(tmp_path / "home", None, "gone", "latest")
+    env = {**child_env(tmp_path), "HOME": str(tmp_path / "home")}
+    env.pop("OLLAMA_MODELS", None)
+    done = subprocess.run(
+        _serve_cmd("ollama:gone:latest", free_port(), tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "unreadable_checkpoint" in done.stderr and "sha256-" in done.stderr
+
+
+def test_a_live_engine_over_a_gguf_serves_openai_routes_with_experts_offloaded(tiny_gguf, tmp_path):
+    engine = LiveEngine(tiny_gguf, tmp_path, moe_capacity=8)
+    try:
+        with engine.client() as client:
+            reply = client.post(
+                "/v1/completions", json={"model": "x", "prompt": "Hello", "max_tokens": 6, "temperature": 0}
+            )
+            assert reply.status_code == 200, reply.text
+            status = client.get("/admin/status", headers=ADMIN).json()
+        assert status["pools"]["moe_slots"] == 8
+        assert status["experts"]["total_misses"] > 0 and status["experts"]["expert_store_format"] == "Q8_0"
+        assert status["model"]["architecture"] == "Qwen3MoeForCausalLM"
+        engine.engine.loaded.runtime.check_integrity(deep=True)
+    finally:
+        engine.close()
