@@ -13,8 +13,9 @@ default) picks, without ever rounding the checkpoint's own weights:
 - float32 for a float32 checkpoint (the token-identity reference every exact path meets).
 
 An explicit ``--dtype`` is served as asked: ``float32``, ``bfloat16``, ``float16``, or
-``int8`` (weights rounded to int8 per output channel, computed by a weight-only int8 kernel
-on bfloat16 activations: lossy, never chosen by ``auto``). Pure: CPU features are passed in.
+``int8`` (every weight but the embedding table rounded to int8 per output channel, experts
+included, computed by torch's weight-only int8 kernel on bfloat16 activations: lossy, never
+chosen by ``auto``, CPU only). Pure: CPU features are passed in.
 """
 
 from __future__ import annotations
@@ -39,10 +40,15 @@ class ServingFormat(NamedTuple):
     reason: str
 
 
-class UnknownFormat(ValueError):
-    """A ``--dtype`` that is not one of :data:`FORMATS` (``kind``: ``unknown_dtype``)."""
+class FormatRefused(ValueError):
+    """A ``--dtype`` that cannot be served: ``unknown_dtype`` (not one of :data:`FORMATS`) or
+    ``int8_needs_cpu`` (the weight-only int8 kernels the int8 format uses are the CPU's)."""
 
-    kind = "unknown_dtype"
+    KINDS = ("unknown_dtype", "int8_needs_cpu")
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def native_16bit(cpu_features: frozenset[str]) -> tuple[str, ...]:
@@ -60,10 +66,12 @@ def choose_format(requested: str, *, device_kind: str, checkpoint_dtype: str | N
     """Decides the serving format (see the module docstring); pure, mutates nothing.
 
     ``checkpoint_dtype`` is the config's ``dtype``/``torch_dtype`` (None when it names
-    none). Refuses an unknown ``requested`` with :class:`UnknownFormat`.
+    none). Refuses with :class:`FormatRefused` (an unknown ``requested``; int8 off the CPU).
     """
     if requested not in FORMATS:
-        raise UnknownFormat(f"unknown dtype {requested!r}; one of {', '.join(FORMATS)}")
+        raise FormatRefused("unknown_dtype", f"unknown dtype {requested!r}; one of {', '.join(FORMATS)}")
+    if requested == "int8" and device_kind != "cpu":
+        raise FormatRefused("int8_needs_cpu", f"--dtype int8 runs on the CPU only, not {device_kind}")
     if requested == "int8":
         return ServingFormat("bfloat16", "int8", "--dtype int8: weight-only int8 on bfloat16 activations")
     if requested != "auto":

@@ -336,7 +336,8 @@ def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512,
 
     def load(fmt: str):
         chosen = resolve_format(fmt, model_dir, cpu)
-        off = load_offloaded_model(model_dir, dtype=torch_dtype(chosen.compute), capacity=every)
+        off = load_offloaded_model(model_dir, dtype=torch_dtype(chosen.compute), capacity=every,
+                                   expert_format="int8" if chosen.weights == "int8" else None)
         apply_format(chosen, off.model, cpu)
         if top_k:
             apply_top_k(off.model, off.runtime, top_k)

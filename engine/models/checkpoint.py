@@ -255,6 +255,7 @@ def load_checkpoint(
 
     refuse_unpageable_attention(info.config)
     dtype = torch_dtype(fmt.compute)
+    experts = "int8" if fmt.weights == "int8" else None  # else the experts stay in ``dtype``
     progress("loading tokenizer", 0, None)
     if info.format == "gguf":
         from moetray.engine.models.gguf import load_gguf, load_gguf_tokenizer
@@ -262,7 +263,7 @@ def load_checkpoint(
         tokenizer = load_gguf_tokenizer(info.gguf)
         model, store, modules = load_gguf(info.gguf, device=device, dtype=dtype, progress=progress)
         offloaded = offload_loaded(model, store, modules, device=device, capacity=capacity, policy=policy,
-                                   link_gbps=link_gbps)
+                                   link_gbps=link_gbps, expert_format=experts)
     else:
         tokenizer = load_tokenizer(info.path)
         offloaded = load_offloaded_model(
@@ -273,6 +274,7 @@ def load_checkpoint(
             policy=policy,
             link_gbps=link_gbps,
             progress=progress,
+            expert_format=experts,
         )
     model = offloaded.model.eval()
     apply_format(fmt, model, device)

@@ -7,7 +7,8 @@ here (:func:`cpu_features`). :func:`apply_format` then adapts the loaded model:
 - ``int8``: every dense ``nn.Linear`` (attention, shared experts, the LM head) becomes an
   :class:`Int8Linear`: int8 weights with one bfloat16 scale per output channel, computed by
   torch's weight-only int8 kernel (``aten._weight_int8pack_mm``) on bfloat16 activations,
-  so a decode step reads one byte per dense weight instead of two;
+  so a decode step reads one byte per dense weight instead of two (the routed experts are
+  made int8 the same way as the store is built: :mod:`moetray.engine.experts.int8`);
 - bfloat16 on a CPU: a step whose every matrix product has one row (a decode step of one
   request) runs with oneDNN off, so bfloat16 products take torch's own matrix-vector kernel
   (about 2× faster than oneDNN's at one row on an AVX512-BF16 CPU: 30 µs against 56 µs for a
@@ -61,7 +62,7 @@ def checkpoint_dtype(path: Path) -> str | None:
 def resolve_format(spec: str, checkpoint: Path | None, device: torch.device,
                    named_dtype: str | None = None) -> ServingFormat:
     """The format to serve ``checkpoint`` in on ``device`` (``spec`` is ``--dtype``); refuses an
-    unknown spec with :class:`moetray.policy.precision.UnknownFormat`. ``named_dtype`` stands in
+    unusable spec with :class:`moetray.policy.precision.FormatRefused`. ``named_dtype`` stands in
     for the config's dtype where the checkpoint is not a config folder (a GGUF file)."""
     named = named_dtype if named_dtype is not None else (checkpoint_dtype(checkpoint) if checkpoint else None)
     chosen = choose_format(spec, device_kind=device.type, checkpoint_dtype=named,

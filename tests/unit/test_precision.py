@@ -10,7 +10,7 @@ from moetray.policy.precision import (
     BF16_FEATURES,
     FORMATS,
     FP16_FEATURES,
-    UnknownFormat,
+    FormatRefused,
     choose_format,
     native_16bit,
 )
@@ -78,9 +78,12 @@ def test_int8_is_weight_only_on_bfloat16_activations():
 
 
 def test_unknown_dtype_is_refused_by_name():
-    with pytest.raises(UnknownFormat) as exc:
+    with pytest.raises(FormatRefused) as exc:
         choose_format("fp8", device_kind="cpu", checkpoint_dtype=None, cpu_features=ZEN4)
     assert exc.value.kind == "unknown_dtype"
+    with pytest.raises(FormatRefused) as exc:
+        choose_format("int8", device_kind="cuda", checkpoint_dtype=None, cpu_features=frozenset())
+    assert exc.value.kind == "int8_needs_cpu"
 
 
 def test_native_16bit_lists_bfloat16_first():

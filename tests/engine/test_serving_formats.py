@@ -126,3 +126,51 @@ def test_dense_bytes_per_step_counts_what_a_step_reads(tiny_moe, fmt):
         quantize_linears(model)
         after = dense_bytes_per_step(model)
         assert after < 0.6 * before
+
+
+@pytest.mark.parametrize(("family", "layout"), [("qwen3_moe", "per_expert"), ("gpt_oss", "fused")])
+@pytest.mark.parametrize("capacity", [16, 5])
+def test_int8_experts_stay_close_to_float32_at_any_capacity(tiny_moe, family, layout, capacity):
+    """Experts kept as int8 rows (one byte per weight in the store and the slots) and computed
+    by the weight-only int8 kernel: the logits stay within a bound of the float32 model's, with
+    every expert resident and with misses (5 slots of 16), for a plain SwiGLU family and a
+    biased, transposed one (gpt-oss). The slots hold what the store holds, byte for byte."""
+    from moetray.engine.experts.int8 import Int8ExpertStore
+
+    path = tiny_moe(family, layout)
+    ids = list(range(3, 30))
+    ref = _logits(_load(path, torch.float32)[0], ids)
+    off = load_offloaded_model(path, dtype=torch.bfloat16, capacity=capacity, expert_format="int8")
+    assert isinstance(off.store, Int8ExpertStore) and off.store.format == "INT8"
+    bf16 = load_offloaded_model(path, dtype=torch.bfloat16, capacity=capacity)
+    assert off.runtime.bytes_per_slot < 0.6 * bf16.runtime.bytes_per_slot
+    got = _logits(off.model, ids)
+    assert float((got - ref).abs().max()) < 0.25 * float(ref.std()) + 0.05
+    assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8
+    off.runtime.check_integrity(deep=True)
+
+
+def test_int8_experts_dequantize_to_their_rounding():
+    """A row's int8 values times its scales give back the weights within half a step."""
+    from moetray.engine.experts.int8 import Int8Layout
+    from moetray.engine.experts.store import ExpertGeometry, Segment
+
+    torch.manual_seed(0)
+    geo = ExpertGeometry((Segment("gate_up_proj", (16, 8), 0, 128), Segment("down_proj", (8, 8), 128, 64)),
+                         has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True)
+    layout = Int8Layout.from_geometry(geo)
+    weights = {"gate_up_proj": torch.randn(16, 8), "down_proj": torch.randn(8, 8)}
+    row = torch.empty(layout.row_bytes, dtype=torch.uint8)
+    layout.quantize(weights, geo, row)
+    first, _, down, _ = layout.operands(row)
+    for w, name in ((first, "gate_up_proj"), (down, "down_proj")):
+        back = w.qweight.float() * w.scale.float()[:, None]
+        assert float(((back - weights[name]).abs() / w.scale.float()[:, None]).max()) <= 0.5 + 1e-3
+
+
+def test_int8_experts_refuse_the_eager_compute_mode(tiny_moe):
+    from moetray.engine.experts import UnknownComputeMode
+
+    with pytest.raises(UnknownComputeMode):
+        load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=16,
+                             expert_format="int8", compute="eager")
