@@ -169,7 +169,8 @@ class ServedEngine:
 
 class LlamaServer:
     """llama.cpp's OpenAI-compatible server (llama-cpp-python's ``llama_cpp.server``) on one GGUF
-    file, as a child process in its own session: the engine a user would otherwise run."""
+    file, as a child process in its own session: the engine a user would otherwise run. It
+    decodes one sequence at a time, so concurrent requests queue behind one another."""
 
     def __init__(self, label: str, gguf: Path, *, threads: int, ctx: int = 4096) -> None:
         import socket
@@ -180,7 +181,8 @@ class LlamaServer:
         self.label, self.url, self.model = label, f"http://127.0.0.1:{port}", label
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", label,
                "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
-               "--host", "127.0.0.1", "--port", str(port), "--verbose", "False"]
+               "--host", "127.0.0.1", "--port", str(port), "--verbose", "False",
+               "--interrupt_requests", "False"]  # queue concurrent requests (its default drops the older)
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"moetray-bench-llama-{port}.log"
         self._fh = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
