@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moetray.policy.refused import Refused
+
 DEFAULT_CPU_BUDGET_FRACTION = 0.10
 """Share of host RAM the pools may use on a machine without a GPU, unless ``--budget-bytes``."""
 MAX_TOKENS_CEILING = 1 << 20
@@ -120,14 +122,13 @@ def cuda_budget(
     )
 
 
-class ContextTooLong(Exception):
+class ContextTooLong(Refused):
     """A prompt (or prompt + max_tokens) that cannot fit; ``.kind`` is ``context_length_exceeded``."""
 
+    KINDS = ("context_length_exceeded",)
+
     def __init__(self, message: str, *, prompt_tokens: int, limit: int) -> None:
-        self.kind = "context_length_exceeded"
-        self.prompt_tokens = prompt_tokens
-        self.limit = limit
-        super().__init__(message)
+        super().__init__("context_length_exceeded", message, prompt_tokens=prompt_tokens, limit=limit)
 
 
 @dataclass(frozen=True)

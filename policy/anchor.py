@@ -33,6 +33,7 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from .radix import RadixCache, RadixNode
+from .refused import Refused
 
 __all__ = [
     "RETAIN_GAP",
@@ -55,15 +56,13 @@ RETAIN_GAP = 16
 early (a generation prompt such as ``<think>\\n`` that vanishes from history)."""
 
 
-class AnchorError(ValueError):
+class AnchorError(Refused, ValueError):
     """An anchor refusal; ``.kind`` is ``invalid_argument`` (``.field`` names the argument)."""
 
     KINDS = ("invalid_argument",)
 
     def __init__(self, field: str, message: str) -> None:
-        self.kind = "invalid_argument"
-        self.field = field
-        super().__init__(f"invalid_argument: {field}: {message}")
+        super().__init__("invalid_argument", f"invalid_argument: {field}: {message}", field=field)
 
 
 def _require(ok: bool, field: str, message: str) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 
+from moetray.policy.refused import Refused
+
 __all__ = [
     "MAX_PENDING_TOKENS",
     "DetokenizeRefused",
@@ -38,7 +40,7 @@ HARD_PENDING_TOKENS = 64
 decodes, so the per-token cost stays bounded for any decoder."""
 
 
-class DetokenizeRefused(ValueError):
+class DetokenizeRefused(Refused, ValueError):
     """A detokenizer call that cannot be honoured; nothing changed.
 
     ``.kind`` is ``empty_stop`` (a stop string of length 0 would match everywhere) or
@@ -46,11 +48,6 @@ class DetokenizeRefused(ValueError):
     """
 
     KINDS = ("empty_stop", "stream_finished")
-
-    def __init__(self, kind: str, message: str) -> None:
-        assert kind in self.KINDS, kind
-        self.kind = kind
-        super().__init__(message)
 
 
 def stop_prefix_holdback(text: str, stops: Sequence[str]) -> int:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from moetray.policy.refused import Refused
+
 __all__ = [
     "EFFORT_SCALE",
     "GRADED_EFFORTS",
@@ -351,7 +353,7 @@ def broadcast_effort_spellings(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-class EffortRefused(Exception):
+class EffortRefused(Refused):
     """A request's effort is not a gear of any dialect we know; ``.kind`` is ``invalid_request_error``.
 
     ``.value`` is what the client sent. Refused before rendering, so the error reaches the
@@ -361,10 +363,9 @@ class EffortRefused(Exception):
     KINDS = ("invalid_request_error",)
 
     def __init__(self, value: object) -> None:
-        self.kind = "invalid_request_error"
-        self.value = value
         known = ", ".join(e.value for e in KNOWN_EFFORTS)
-        super().__init__(f"unknown reasoning_effort {value!r}; expected one of: {known}")
+        message = f"unknown reasoning_effort {value!r}; expected one of: {known}"
+        super().__init__("invalid_request_error", message, value=value)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from moetray.policy.refused import Refused
+
 __all__ = [
     "AdmissionClosed",
     "GateState",
@@ -46,7 +48,7 @@ ADMISSION_KINDS: dict[GateState, str] = {
 }
 
 
-class AdmissionClosed(Exception):
+class AdmissionClosed(Refused):
     """A request arrived while the gate does not admit; ``.kind`` names why (``ADMISSION_KINDS``).
 
     ``loading``, ``rebuilding`` and ``failed`` are the state's wire name; a stopping (or
@@ -56,12 +58,10 @@ class AdmissionClosed(Exception):
     KINDS = tuple(ADMISSION_KINDS.values())
 
     def __init__(self, state: GateState) -> None:
-        self.state = state
-        self.kind: str = ADMISSION_KINDS[state]
-        super().__init__(f"server unavailable: engine is {state.value}")
+        super().__init__(ADMISSION_KINDS[state], f"server unavailable: engine is {state.value}", state=state)
 
 
-class RebuildRefused(Exception):
+class RebuildRefused(Refused):
     """The gate will not start a rebuild from its current state.
 
     ``.kind`` is ``not_ready`` (still loading: retry after load), ``latched`` (failed:
@@ -72,13 +72,10 @@ class RebuildRefused(Exception):
     KINDS = ("not_ready", "latched", "busy", "engine_stopping")
 
     def __init__(self, kind: str, state: GateState) -> None:
-        assert kind in self.KINDS, kind
-        self.kind = kind
-        self.state = state
-        super().__init__(f"rebuild refused ({kind}): engine is {state.value}")
+        super().__init__(kind, f"rebuild refused ({kind}): engine is {state.value}", state=state)
 
 
-class StopRefused(Exception):
+class StopRefused(Refused):
     """A stop cannot proceed yet; the engine is preserved and admission stays closed.
 
     ``.kind`` is ``rebuild_in_progress`` (sealing totals for a geometry being replaced
@@ -95,14 +92,11 @@ class StopRefused(Exception):
     engine_preserved = True
 
     def __init__(self, kind: str, active: int | None = None) -> None:
-        assert kind in self.KINDS, kind
-        self.kind = kind
-        self.active = active
         if kind == "rebuild_in_progress":
             message = "stop refused: a rebuild is in progress; stop again when it ends"
         else:
             message = f"stop refused ({kind}): {active} still in flight; engine preserved, stop again"
-        super().__init__(message)
+        super().__init__(kind, message, active=active)
 
 
 @dataclass(frozen=True)

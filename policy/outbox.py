@@ -26,6 +26,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from moetray.policy.maintenance import SealedAccounting
+from moetray.policy.refused import Refused
 
 __all__ = [
     "RECEIPT_NAMESPACE",
@@ -118,7 +119,7 @@ class Receipt:
         return (json.dumps(self.to_json(), sort_keys=True, indent=2) + "\n").encode("utf-8")
 
 
-class StopFailure(Exception):
+class StopFailure(Refused):
     """The stop's receipt did not make it through persist-then-signal.
 
     ``.kind`` is ``not_persisted`` (nothing was signalled; a retry reseals the same totals
@@ -129,15 +130,11 @@ class StopFailure(Exception):
     KINDS = ("not_persisted", "not_signalled")
 
     def __init__(self, kind: str, receipt: Receipt, cause: BaseException) -> None:
-        assert kind in self.KINDS, kind
-        self.kind = kind
-        self.receipt = receipt
-        self.cause = cause
         if kind == "not_persisted":
             message = f"stop receipt {receipt.id} could not be written ({cause}); nothing was signalled"
         else:
             message = f"stop receipt {receipt.id} is durable but the signal failed ({cause})"
-        super().__init__(message)
+        super().__init__(kind, message, receipt=receipt, cause=cause)
 
 
 def finish_stop(

@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from moetray.policy.refused import Refused
+
 __all__ = [
     "DEFAULT_KV_RESERVE_TOKENS",
     "DEFAULT_MEMORY_RATIO",
@@ -41,7 +43,6 @@ __all__ = [
     "RebuildRequest",
     "budget_from_free_memory",
     "fraction_of",
-    "gib",
     "plan_budget",
     "presets",
     "project",
@@ -104,13 +105,14 @@ class RebuildRequest(NamedTuple):
         return frozenset(names)
 
 
-class RebuildRejected(Exception):
+class RebuildRejected(Refused):
     """A re-split refused by arithmetic before anything was freed; the engine is untouched.
 
     ``.kind`` is ``busy`` (requests are running), ``below_floor`` (``.pool`` is ``"moe"``
     or ``"kv"``, with ``.requested`` and ``.floor``), ``no_such_pool`` (``.pool``) or
-    ``too_large`` (``.needed_bytes`` and ``.budget_bytes``, the net budget left for the
-    two pools, and the rejected ``.sizes``).
+    ``too_large`` (more slots than the model has experts: ``.pool`` and ``.requested``; or
+    more bytes than the budget: ``.needed_bytes`` and ``.budget_bytes``, the net budget left
+    for the two pools, and the rejected ``.sizes``). Attributes not given are ``None``.
     """
 
     KINDS = ("busy", "below_floor", "no_such_pool", "too_large")
@@ -127,18 +129,19 @@ class RebuildRejected(Exception):
         budget_bytes: int | None = None,
         sizes: PoolSizes | None = None,
     ) -> None:
-        assert kind in self.KINDS, kind
-        self.kind = kind
-        self.pool = pool
-        self.requested = requested
-        self.floor = floor
-        self.needed_bytes = needed_bytes
-        self.budget_bytes = budget_bytes
-        self.sizes = sizes
-        super().__init__(message)
+        super().__init__(
+            kind,
+            message,
+            pool=pool,
+            requested=requested,
+            floor=floor,
+            needed_bytes=needed_bytes,
+            budget_bytes=budget_bytes,
+            sizes=sizes,
+        )
 
 
-class BudgetTooSmall(Exception):
+class BudgetTooSmall(Refused):
     """Even both pools at their floors exceed the budget: there is no split to plan or offer.
 
     ``.kind`` is ``too_large``; ``.needed_bytes`` is what the floors cost and
@@ -148,12 +151,12 @@ class BudgetTooSmall(Exception):
     KINDS = ("too_large",)
 
     def __init__(self, needed_bytes: int, budget_bytes: int) -> None:
-        self.kind = "too_large"
-        self.needed_bytes = needed_bytes
-        self.budget_bytes = budget_bytes
         super().__init__(
+            "too_large",
             f"memory budget too small: the smallest pools need {needed_bytes} bytes, "
-            f"{budget_bytes} are available"
+            f"{budget_bytes} are available",
+            needed_bytes=needed_bytes,
+            budget_bytes=budget_bytes,
         )
 
 
@@ -253,15 +256,17 @@ def validate_rebuild(
     bytes_per_slot: int,
     bytes_per_page: int,
     fixed_bytes: int = 0,
+    max_moe_slots: int | None = None,
 ) -> PoolSizes:
     """Decides whether a live re-split fits, before anything is freed; returns the target sizes.
 
     Each pool the request names takes that size; the others keep ``current``. Mutates
     nothing. Refuses with ``RebuildRejected``, checking in this order: ``busy`` (not
     ``idle``), ``below_floor`` (MoE, then KV, whose floor is at least ``MIN_KV_PAGES``),
-    ``no_such_pool`` (MoE named on a model without an expert pool), ``too_large`` (the
-    target costs more than ``budget_bytes − fixed_bytes``, signed: an over-committed
-    budget rejects every size).
+    ``no_such_pool`` (MoE named on a model without an expert pool), ``too_large`` (more
+    expert slots than ``max_moe_slots``, when given, or the MoE floor if larger, as in
+    ``slider_limits``: the model has no more experts to hold; then a target costing more
+    than ``budget_bytes − fixed_bytes``, signed: an over-committed budget rejects every size).
     """
     _check_unit_costs(bytes_per_slot, bytes_per_page)
     if not idle:
@@ -289,6 +294,14 @@ def validate_rebuild(
         )
     if floors.moe_slots is None and request.moe_slots is not None:
         raise RebuildRejected("no_such_pool", "this model has no expert cache to resize", pool="moe")
+    cap = None if max_moe_slots is None else max(max_moe_slots, floors.moe_slots or 0)  # as slider_limits
+    if cap is not None and request.moe_slots is not None and request.moe_slots > cap:
+        raise RebuildRejected(
+            "too_large",
+            f"moe_slots {request.moe_slots} exceeds the {cap} experts this model has",
+            pool="moe",
+            requested=request.moe_slots,
+        )
     target = PoolSizes(
         current.moe_slots if request.moe_slots is None else request.moe_slots,
         current.kv_pages if request.kv_pages is None else request.kv_pages,
@@ -452,11 +465,6 @@ def project(sizes: PoolSizes, *, page_size: int, bytes_per_slot: int, bytes_per_
     )
 
 
-def gib(n_bytes: int | None) -> float | None:
-    """Bytes in GiB for display; ``None`` stays ``None`` (unknown is never 0)."""
-    return None if n_bytes is None else n_bytes / 2**30
-
-
 # --- one bundle of numbers ------------------------------------------------------------------
 
 
@@ -497,21 +505,44 @@ class PoolBudget:
         return _needed_bytes(*sizes, self.bytes_per_slot, self.bytes_per_page)
 
     def validate(self, request: RebuildRequest, current: PoolSizes, *, idle: bool) -> PoolSizes:
-        """``validate_rebuild`` with this budget's numbers."""
-        return validate_rebuild(request, current, self.floors, idle=idle, **self._costs())
+        """``validate_rebuild`` with this budget's numbers, its expert cap included."""
+        return validate_rebuild(
+            request, current, self.floors, idle=idle, max_moe_slots=self.max_moe_slots, **self._costs()
+        )
 
     def limits(self) -> PoolLimits:
         """``slider_limits`` with this budget's numbers."""
         return slider_limits(self.floors, max_moe_slots=self.max_moe_slots, **self._costs())
 
-    def plan(self, reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS) -> PoolSizes:
-        """``plan_budget`` with a KV reserve given in tokens."""
-        return plan_budget(
+    def plan(
+        self, reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS, pinned: RebuildRequest | None = None
+    ) -> PoolSizes:
+        """Decides the start-up split: ``plan_budget`` with a KV reserve given in tokens.
+
+        A pool ``pinned`` (the user named its size) keeps that size; the other takes what the
+        budget leaves beside it, within its floor and (experts) the cap of every expert. Pinned
+        expert slots beyond the cap are capped. The result is checked like a re-split against
+        the plan. Mutates nothing. Refuses with ``BudgetTooSmall`` when the floors do not fit
+        and with ``RebuildRejected`` when the pinned split does not.
+        """
+        planned = plan_budget(
             self.floors,
             max_moe_slots=self.max_moe_slots,
             reserve_pages=reserve_pages(reserve_tokens, self.page_size),
             **self._costs(),
         )
+        if pinned is None or pinned.is_empty():
+            return planned
+        moe, kv = pinned
+        if kv is None:
+            room = (self.net_bytes - moe * self.bytes_per_slot) // self.bytes_per_page
+            kv = max(room, self.floors.kv_pages)
+        elif moe is None and self.floors.moe_slots is not None:
+            room = (self.net_bytes - kv * self.bytes_per_page) // self.bytes_per_slot
+            moe = max(min(room, self.max_moe_slots), self.floors.moe_slots)
+        if moe is not None:
+            moe = min(moe, self.max_moe_slots)
+        return self.validate(RebuildRequest(moe, kv), planned, idle=True)
 
     def split_at(self, fraction: float) -> PoolSizes:
         """``split_at`` within this budget's limits."""
@@ -537,9 +568,19 @@ class PoolBudget:
         )
 
     def to_wire(
-        self, current: PoolSizes, *, kv_pages_used: int | None, kv_pages_evictable: int | None
+        self,
+        current: PoolSizes,
+        *,
+        kv_pages_used: int | None,
+        kv_pages_evictable: int | None,
+        live_moe_bytes: int | None = None,
+        live_kv_bytes: int | None = None,
     ) -> dict[str, object]:
-        """The snapshot's ``pools`` object (``policy.wire.PoolInfo``) for ``current`` sizes."""
+        """The snapshot's ``pools`` object (``policy.wire.PoolInfo``) for ``current`` sizes.
+
+        ``kv_pages_used`` / ``kv_pages_evictable`` and the bytes each live pool holds
+        (``live_*_bytes``, measured, not priced) come from the caller; unknown is ``None``.
+        """
         return {
             "moe_slots": current.moe_slots,
             "kv_pages": current.kv_pages,
@@ -556,6 +597,7 @@ class PoolBudget:
             "limits": self.limits().to_wire(),
             "kv_pages_used": kv_pages_used,
             "kv_pages_evictable": kv_pages_evictable,
+            "live_bytes": {"moe_slots": live_moe_bytes, "kv_pages": live_kv_bytes},
         }
 
     @classmethod

@@ -45,6 +45,8 @@ import heapq
 from collections.abc import Iterator, Sequence
 from typing import Literal, NamedTuple
 
+from moetray.policy.refused import Refused
+
 __all__ = [
     "InsertResult",
     "MatchResult",
@@ -58,7 +60,7 @@ SlotUnit = Literal["token", "page"]
 """What one slot stands for: one token of KV, or one page (a KV block id)."""
 
 
-class RadixError(ValueError):
+class RadixError(Refused, ValueError):
     """A radix cache refusal; ``.kind`` says which rule, extra attributes carry the numbers.
 
     Kinds: ``invalid_argument``, ``slot_count_mismatch`` (``.expected``, ``.got``),
@@ -81,11 +83,7 @@ class RadixError(ValueError):
     )
 
     def __init__(self, kind: str, message: str, **fields: object) -> None:
-        assert kind in self.KINDS, kind
-        self.kind = kind
-        for name, value in fields.items():
-            setattr(self, name, value)
-        super().__init__(f"{kind}: {message}")
+        super().__init__(kind, f"{kind}: {message}", **fields)
 
 
 class RadixNode:

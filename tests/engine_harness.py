@@ -2,8 +2,9 @@
 
 ``LiveEngine(model_dir, tmp_path, **options)`` starts ``moetray.engine`` exactly as
 ``moetray serve`` does (``Engine`` + the FastAPI app under uvicorn, on a real socket) but in a
-background thread, so tests can reach the ``Engine`` object too (fault-injection hooks,
-integrity checks). The admin token is fixed (``ADMIN_TOKEN``); test hooks are on.
+background thread, so tests can reach the ``Engine`` object too (its pools for integrity
+checks and the re-split fault seam, ``rebuild_faults.py``). The admin token is fixed
+(``ADMIN_TOKEN``); test hooks are on.
 """
 
 from __future__ import annotations

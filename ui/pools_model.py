@@ -2,9 +2,10 @@
 
 All arithmetic is :mod:`moetray.policy.pool_budget`'s, rebuilt from the snapshot's
 ``pools`` object with ``PoolBudget.from_wire``: the slider's range is
-``slider_limits``, a position becomes sizes through ``split_at``, presets are
-``presets``, and the projection in slots, tokens and GiB is ``project``. So the slider
-never offers a size the engine's ``validate_rebuild`` would reject for want of memory.
+``slider_limits``, a slot count becomes its slider position through ``fraction_of`` and
+sizes through ``split_at``, presets are ``presets``, and the projection in slots, tokens
+and GiB is ``project``. So the slider never offers a size the engine's ``validate_rebuild``
+would reject for want of memory.
 
 The slider's integer value is the number of expert slots; KV takes what the budget
 leaves. The selection follows the engine's sizes until the user moves it; after that it
@@ -156,9 +157,7 @@ class PoolsModel(QObject):
         """Move the slider to ``moe_slots`` expert slots; KV takes the rest (``split_at``)."""
         if self.budget is None or self.limits is None:
             return None
-        span = self.limits.moe_max - self.limits.moe_min
-        fraction = 0.0 if span <= 0 else (moe_slots - self.limits.moe_min) / span
-        sizes = self.budget.split_at(fraction)
+        sizes = self._split_for(moe_slots)
         self.user_moved = True
         self._select(sizes)
         return sizes
@@ -248,8 +247,13 @@ class PoolsModel(QObject):
         if moe == sizes.moe_slots and self.limits.kv_min <= sizes.kv_pages <= self.limits.kv_max \
                 and self.budget.needed_bytes(sizes) <= self.budget.net_bytes:
             return sizes
-        span = self.limits.moe_max - self.limits.moe_min
-        return self.budget.split_at(0.0 if span <= 0 else (moe - self.limits.moe_min) / span)
+        return self._split_for(moe)
+
+    def _split_for(self, moe_slots: int) -> PoolSizes:
+        """The split with ``moe_slots`` expert slots (clamped to the limits), KV taking the rest."""
+        assert self.budget is not None
+        fraction = self.budget.fraction_of(PoolSizes(moe_slots, 0))
+        return self.budget.split_at(0.0 if fraction is None else fraction)
 
     def _select(self, sizes: PoolSizes | None) -> None:
         if sizes != self.selection:

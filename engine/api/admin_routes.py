@@ -94,10 +94,15 @@ def build_router(
 
     @router.post("/admin/cache/rebuild")
     async def rebuild(body: RebuildBody):
+        idle_timeout_s = body.idle_timeout_s
+        if idle_timeout_s is None:
+            idle_timeout_s = engine.options.rebuild_idle_timeout_s
         status_code, payload = await run_rebuild(
-            engine,
             body.model_dump(exclude_none=True),
-            idle_timeout_s=body.idle_timeout_s,
+            gate=engine.gate,
+            pools=engine.pools,
+            requests=engine.requests,
+            idle_timeout_s=idle_timeout_s,
             txn_timeout_s=body.txn_timeout_s,
         )
         kind = payload.get("error", {}).get("kind") if status_code >= 400 else None
@@ -108,7 +113,13 @@ def build_router(
     async def stop(body: StopBody | None = None) -> dict[str, Any]:
         body = body or StopBody()
         return await prepare_stop(
-            engine, drain_timeout_s=body.drain_timeout_s, abort_timeout_s=body.abort_timeout_s, outbox=box
+            engine.gate,
+            engine.requests,
+            identity=engine.identity,
+            accounting=engine.sealed_accounting,
+            drain_timeout_s=body.drain_timeout_s,
+            abort_timeout_s=body.abort_timeout_s,
+            outbox=box,
         )
 
     return router

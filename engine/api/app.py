@@ -69,7 +69,7 @@ class SecurityMiddleware:
 
 def load_message(engine: Engine) -> str:
     """What a client asking ``/v1/*`` during the load is told: the stage and how far it got."""
-    progress = engine.load_progress or {}
+    progress = engine.loading.progress or {}
     stage = progress.get("stage") or "starting"
     done, total = progress.get("done"), progress.get("total")
     counted = f" ({done}/{total})" if total else ""
@@ -88,8 +88,8 @@ class ReadinessGuard:
             state = self.engine.gate.state.value
             if state == "loading":
                 return await send_refusal(send, "loading", load_message(self.engine))
-            if state == "failed" and self.engine.loaded is None:
-                reason = self.engine.load_error or "unknown reason"
+            if state == "failed" and self.engine.served is None:
+                reason = self.engine.loading.error or "unknown reason"
                 return await send_refusal(send, "failed", f"the model failed to load: {reason}")
         return await self.app(scope, receive, send)
 

@@ -17,18 +17,21 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from moetray.policy.refused import Refused
 from moetray.policy.wire import error_body, refusal_for, retry_after_s
 
 log = logging.getLogger("moetray.engine.api.errors")
 
 
-class ApiError(Exception):
-    """A request-level refusal: ``kind`` (a ``wire.REFUSALS`` key), a message, optional fields."""
+class ApiError(Refused):
+    """A request-level refusal: ``kind`` (a ``wire.REFUSALS`` key), a message, optional fields.
+
+    ``extra`` holds the fields given (``None`` ones dropped); the error body carries them.
+    """
 
     def __init__(self, kind: str, message: str, **extra: Any) -> None:
-        self.kind = kind
-        self.extra = {k: v for k, v in extra.items() if v is not None}
-        super().__init__(message)
+        super().__init__(kind, message, **{k: v for k, v in extra.items() if v is not None})
+        self.extra = self.fields
 
 
 def refusal_headers(kind: str, extra: dict[str, str] | None = None) -> dict[str, str]:

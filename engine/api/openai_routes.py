@@ -122,7 +122,7 @@ def _sampling(engine: Engine, body: SamplingFields) -> Sampling:
         if body.moetray_test_forced_tokens is not None:
             forced = tuple(body.moetray_test_forced_tokens)
         else:
-            forced = tuple(engine.chat.encode(body.moetray_test_forced_text))
+            forced = tuple(engine.chat_support().encode(body.moetray_test_forced_text))
     return Sampling(
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),

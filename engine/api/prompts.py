@@ -149,7 +149,7 @@ async def chat_prompt(
     """
     from moetray.engine.api.errors import ApiError
 
-    refuse_if_cannot_fit(chat.tokenizer, engine.ceiling.limit, message_chars(messages))
+    refuse_if_cannot_fit(chat.tokenizer, engine.pools.ceiling.limit, message_chars(messages))
     size = message_chars(messages, roles=None) + (len(json.dumps(tools)) if tools else 0)
 
     def render_and_encode() -> tuple[str, list[int]]:
@@ -166,5 +166,5 @@ async def chat_prompt(
 
 async def text_prompt(engine, chat, prompt: str) -> list[int]:
     """The ids of a completion prompt; refuses an impossible length before tokenizing."""
-    refuse_if_cannot_fit(chat.tokenizer, engine.ceiling.limit, len(prompt))
+    refuse_if_cannot_fit(chat.tokenizer, engine.pools.ceiling.limit, len(prompt))
     return await off_loop(len(prompt), lambda: chat.encode(prompt))

@@ -26,6 +26,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moetray.policy.refused import Refused
 from moetray.policy.wire import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, API_KEY_ENV
 
 log = logging.getLogger("moetray.engine.api.security")
@@ -33,14 +34,17 @@ log = logging.getLogger("moetray.engine.api.security")
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
 
 
-class BindRefused(Exception):
+class BindRefused(Refused):
     """The requested bind is unsafe; ``.kind`` is ``non_loopback_without_key``."""
 
+    KINDS = ("non_loopback_without_key",)
+
     def __init__(self, host: str) -> None:
-        self.kind = "non_loopback_without_key"
         super().__init__(
+            "non_loopback_without_key",
             f"refusing to listen on {host!r}: a non-loopback address needs an API key "
-            f"(--api-key-file, {API_KEY_ENV} or --api-key) so that /v1/* is not open to the network"
+            f"(--api-key-file, {API_KEY_ENV} or --api-key) so that /v1/* is not open to the network",
+            host=host,
         )
 
 
@@ -128,12 +132,13 @@ def runtime_dir() -> Path:
     return Path(platformdirs.user_runtime_dir("moetray", ensure_exists=False))
 
 
-class UnsafeTokenPath(Exception):
+class UnsafeTokenPath(Refused):
     """The token directory or file is not ours alone; ``.kind`` is ``unsafe_token_path``."""
 
+    KINDS = ("unsafe_token_path",)
+
     def __init__(self, message: str) -> None:
-        self.kind = "unsafe_token_path"
-        super().__init__(message)
+        super().__init__("unsafe_token_path", message)
 
 
 def private_dir(path: Path) -> Path:

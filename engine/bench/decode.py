@@ -166,7 +166,7 @@ def measure_round(target, label: str, *, batch: int, max_tokens: int, tag: str) 
 
 def bd_routed(target: ServedEngine) -> int:
     """Distinct experts routed so far in decode and prefill steps alike (hits + misses)."""
-    stats = target.engine.loaded.runtime.cache.per_layer_stats()
+    stats = target.engine.served.loaded.runtime.cache.per_layer_stats()
     return sum(s.hits + s.misses for s in stats)
 
 
@@ -317,7 +317,7 @@ def main(argv: list[str]) -> int:
                                   max_requests=max(batches))
             served.wait_serving()
             engines[fmt] = served
-        eos = next(iter(engines.values())).engine.eos_ids
+        eos = next(iter(engines.values())).engine.served.eos_ids
         peers += [server.as_target(eos) for server in llamas]
         targets: list[tuple[str, Any]] = [*engines.items(), *((p["label"], p) for p in peers)]
         for peer in peers:  # warm-up
@@ -337,8 +337,8 @@ def main(argv: list[str]) -> int:
                     rows.append(row)
                     _progress(f"batch {batch} round {rnd} {label}: {row['request_decode_tok_s'] or 0:.1f} "
                               f"tok/s per request, {row['aggregate_tok_s']:.1f} aggregate")
-        dense = {label: dense_bytes_per_step(s.engine.loaded.model) for label, s in engines.items()}
-        expert_bytes = {label: s.engine.loaded.runtime.bytes_per_slot for label, s in engines.items()}
+        dense = {label: dense_bytes_per_step(s.engine.served.loaded.model) for label, s in engines.items()}
+        expert_bytes = {label: s.engine.served.loaded.runtime.bytes_per_slot for label, s in engines.items()}
         dtypes = {label: s.engine.model_info()["dtype"] for label, s in engines.items()}
     finally:
         for served in engines.values():

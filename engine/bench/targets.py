@@ -69,10 +69,10 @@ class ServedEngine:
             time.sleep(0.2)
         else:
             raise TimeoutError(f"{self.format} engine not serving after {timeout:.0f}s")
-        runtime = self.engine.loaded.runtime
+        runtime = self.engine.served.loaded.runtime
         every = runtime.num_layers * runtime.num_experts
         if runtime.capacity < every:
-            with self.engine.runner.paused():
+            with self.engine.pools.runner.paused():
                 runtime.resize(every)
 
     def model_id(self) -> str:
@@ -81,8 +81,8 @@ class ServedEngine:
     def install_breakdown(self):
         from moetray.engine.bench.breakdown import StepBreakdown
 
-        processor = self.engine.runner.manager.batch_processor
-        loaded = self.engine.loaded
+        processor = self.engine.pools.runner.manager.batch_processor
+        loaded = self.engine.served.loaded
         self.breakdown = StepBreakdown(loaded.model, loaded.runtime, processor).install()
         return self.breakdown
 

@@ -12,7 +12,6 @@ stops it (KV-pool resize); the sampling stages (``sampling``) and the radix ledg
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -131,7 +130,6 @@ class BatchRunner:
         self.manager: ContinuousBatchingManager | None = None
         self._cached_tokens: dict[str, int] = {}
         self._handlers: dict[str, Handler] = {}
-        self._lock = threading.Lock()
         self.steps = 0  # batch steps taken: the loop's heartbeat
         self.last_step_at: float | None = None  # time.monotonic() of the latest step
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from moetray.policy.refused import Refused
 
-class DemoBuildError(RuntimeError):
+
+class DemoBuildError(Refused, RuntimeError):
     """The demo model could not be built; nothing was left behind that would later load.
 
     ``kind`` names the failure for callers that branch on it:
@@ -17,7 +19,7 @@ class DemoBuildError(RuntimeError):
     ``detail`` carries the underlying message (pip's stderr tail, the two digests …).
     """
 
+    KINDS = ("pip_unavailable", "download_failed", "checksum_mismatch", "source_missing", "bad_recipe")
+
     def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.detail = detail
+        super().__init__(kind, f"{kind}: {detail}", detail=detail)

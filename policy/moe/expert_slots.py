@@ -101,17 +101,16 @@ class SlotPlanRefused(Refused, ValueError):
     ``row_size``, ``length_mismatch``, ``stale_slot``; offending values are attributes."""
 
 
-class SlotDeviceError(RuntimeError):
+class SlotDeviceError(Refused, RuntimeError):
     """The device failed mid-plan. ``kind`` is ``device_write`` (``slot`` names the failing
     slot), ``device_copy`` or ``device_flush``; ``unknown_slots`` lists every slot whose
     bytes can no longer be trusted (now `UNKNOWN` in the executor's map)."""
 
+    KINDS = ("device_write", "device_copy", "device_flush")
+
     def __init__(self, kind: str, message: str, *, slot: int | None,
                  unknown_slots: Sequence[int]) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.slot = slot
-        self.unknown_slots = tuple(unknown_slots)
+        super().__init__(kind, message, slot=slot, unknown_slots=tuple(unknown_slots))
 
 
 class ApplyReport(NamedTuple):

@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moetray serve` sets i
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from engine_harness import LiveEngine
+from rebuild_faults import RebuildFaults
 
 # CI and this machine share two cores between many processes: one intra-op thread per
 # process avoids OpenMP spin contention that makes a tiny model 5-10x slower.
@@ -59,6 +60,19 @@ def start_engine(tmp_path):
         engine.close()
 
 
+@pytest.fixture
+def rebuild_faults(monkeypatch):
+    """Arms one-shot re-split faults on a live engine's pools (``tests/rebuild_faults.py``).
+
+    ``rebuild_faults(engine)`` returns the engine's ``RebuildFaults``; the wrapping ends with the test.
+    """
+
+    def arm(engine: LiveEngine) -> RebuildFaults:
+        return RebuildFaults.install(engine.engine.pools, monkeypatch)
+
+    return arm
+
+
 @pytest.fixture(autouse=True)
 def _live_left_clean(request):
     """Every test that used the shared engine leaves it serving, idle and with consistent books."""
@@ -68,4 +82,4 @@ def _live_left_clean(request):
             engine = request.getfixturevalue(name)
             snap = engine.wait_idle()
             assert snap["state"] == "serving", snap["state"]
-            engine.engine.runner.check_integrity()
+            engine.engine.pools.runner.check_integrity()

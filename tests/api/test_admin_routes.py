@@ -10,6 +10,7 @@ from engine_harness import ADMIN, ADMIN_TOKEN
 from test_openai_routes import noise_tokens
 
 from moetray.policy import wire
+from moetray.policy.pool_budget import PoolBudget, PoolSizes
 
 
 def test_health_needs_no_token_but_admin_routes_do(live):
@@ -188,9 +189,28 @@ def test_the_admin_token_is_compared_exactly(live):
 def test_a_dead_batch_loop_latches_the_engine_failed(tiny_qwen3, start_engine):
     """If the generation thread dies, the engine says so for good (503 failed), never hangs a request."""
     engine = start_engine(tiny_qwen3)
-    engine.engine.runner.manager.stop(block=True, timeout=10)  # the loop is gone behind the engine's back
+    # the loop is gone behind the engine's back
+    engine.engine.pools.runner.manager.stop(block=True, timeout=10)
     r = httpx.post(f"{engine.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 503
     assert r.json()["error"]["kind"] == "failed"
     health = httpx.get(f"{engine.url}/health").json()
     assert health["state"] == "failed" and "batch loop" in health["error"]
+
+
+def test_the_pools_payload_is_the_budgets_wire_form(live):
+    """``PoolBudget.to_wire`` writes the ``pools`` object, so the dashboard's ``from_wire`` gets the
+    engine's own budget back: the slider offers exactly the limits the engine validates against."""
+    pools = live.wait_idle()["pools"]
+    budget = live.engine.pools.budget
+    current = PoolSizes(pools["moe_slots"], pools["kv_pages"])
+    used, evictable, live = pools["kv_pages_used"], pools["kv_pages_evictable"], pools["live_bytes"]
+    assert pools == budget.to_wire(
+        current,
+        kv_pages_used=used,
+        kv_pages_evictable=evictable,
+        live_moe_bytes=live["moe_slots"],
+        live_kv_bytes=live["kv_pages"],
+    )
+    dashboard = PoolBudget.from_wire(pools)
+    assert (dashboard.limits(), dashboard.presets()) == (budget.limits(), budget.presets())

@@ -61,18 +61,18 @@ def test_sidecar_label_and_default_top_k_are_applied(probed):
     assert model["label"] == LABEL
     status = engine.status()["model"]
     assert status["label"] == LABEL and status["top_k"] == 1
-    runtime = engine.engine.loaded.runtime
+    runtime = engine.engine.pools.runtime
     assert runtime.top_k == 1
-    routers = [m for m in engine.engine.loaded.model.modules() if type(m).__name__.endswith("Router")]
+    routers = [m for m in engine.engine.served.loaded.model.modules() if type(m).__name__.endswith("Router")]
     assert routers and all(r.top_k == 1 for r in routers)
 
 
 def test_a_single_token_turn_terminator_ends_the_reply_like_eos(probed):
     """The probed end of turn (<|im_end|>, not EOS here) stops generation; without it the model talks on."""
     engine, tok = probed
-    assert engine.engine.chat.end_of_turn == "<|im_end|>"
+    assert engine.engine.served.chat.end_of_turn == "<|im_end|>"
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert im_end in engine.engine.eos_ids
+    assert im_end in engine.engine.served.eos_ids
     forced = [
         *tok.encode("Hi there", add_special_tokens=False),
         im_end,
@@ -86,7 +86,7 @@ def test_a_single_token_turn_terminator_ends_the_reply_like_eos(probed):
 
 def test_reasoning_effort_is_snapped_to_what_the_template_accepts(probed):
     engine, _ = probed
-    assert [e.value for e in engine.engine.chat.effort.supported] == ["low", "medium", "high"]
+    assert [e.value for e in engine.engine.served.chat.effort.supported] == ["low", "medium", "high"]
 
     def prompt_tokens(**extra) -> int:
         r = chat(engine, **extra)

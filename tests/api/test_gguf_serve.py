@@ -148,6 +148,6 @@ def test_a_live_engine_over_a_gguf_serves_openai_routes_with_experts_offloaded(t
         assert status["pools"]["moe_slots"] == 8
         assert status["experts"]["total_misses"] > 0 and status["experts"]["expert_store_format"] == "Q8_0"
         assert status["model"]["architecture"] == "Qwen3MoeForCausalLM"
-        engine.engine.loaded.runtime.check_integrity(deep=True)
+        engine.engine.pools.runtime.check_integrity(deep=True)
     finally:
         engine.close()

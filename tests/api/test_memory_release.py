@@ -34,7 +34,7 @@ def fill_and_measure(engine) -> tuple[int, int]:
         body = {"prompt": "memory is returned " * 20, "max_tokens": 4}
         assert httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60).status_code == 200
     engine.wait_idle()
-    runner = engine.engine.runner
+    runner = engine.engine.pools.runner
     with runner.paused():
         runner.manager.batch_processor.cache.cache_tensor.fill_(1)
     live = engine.status()["pools"]["live_bytes"]["kv_pages"]

@@ -59,7 +59,7 @@ def test_greedy_completion_equals_the_stock_model(tiny_moe, start_engine, family
     out = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=30).json()
     assert out["usage"]["completion_tokens"] == NEW_TOKENS
     assert out["choices"][0]["text"] == tok.decode(want, skip_special_tokens=False)
-    runtime = engine.engine.loaded.runtime
+    runtime = engine.engine.pools.runtime
     assert runtime.capacity == FLOOR < runtime.num_layers * runtime.num_experts
     assert runtime.cache.stats().misses > FLOOR  # the pool refilled slots while serving
 
@@ -91,9 +91,9 @@ def test_sliding_window_layers_get_the_stock_prefix_cache_unless_radix_is_named(
     blocks the substrate keeps in per-request rings. Left unset, the prefix policy follows the
     model (gpt-oss serves above with the stock cache); named, radix is refused by kind while
     the config is read, never after every weight has loaded."""
-    assert start_engine(tiny_moe("qwen3_moe", "per_expert")).engine.prefix_policy == "radix"
+    assert start_engine(tiny_moe("qwen3_moe", "per_expert")).engine.served.prefix_policy == "radix"
     checkpoint = tiny_moe("gpt_oss", "fused")
-    assert start_engine(checkpoint).engine.prefix_policy == "stock"
+    assert start_engine(checkpoint).engine.served.prefix_policy == "stock"
     engine = start_engine(checkpoint, prefix_policy="radix", wait=False)
     health = engine.wait_state({"failed", "serving"})
     assert (health["state"], health["error_kind"]) == ("failed", "radix_needs_full_attention")

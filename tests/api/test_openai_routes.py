@@ -42,8 +42,8 @@ def test_models_lists_the_served_checkpoint_with_its_label(live):
     """/v1/models names the model and the label the UI shows (a tray reads it verbatim)."""
     data = httpx.get(f"{live.url}/v1/models").json()["data"]
     assert [m["id"] for m in data] == [live.engine.model_id()]
-    assert data[0]["label"] == live.engine.loaded.info.label
-    assert data[0]["context_length"] == live.engine.ceiling.limit
+    assert data[0]["label"] == live.engine.served.loaded.info.label
+    assert data[0]["context_length"] == live.engine.pools.ceiling.limit
 
 
 def test_greedy_completion_through_the_offloaded_engine_equals_resident_generate(live, resident):
@@ -177,7 +177,7 @@ def test_stop_string_cuts_the_text_and_ends_the_request_early(live, client):
     )
     assert reply.choices[0].message.content == "Hello there "
     assert reply.choices[0].finish_reason == "stop"
-    assert reply.usage.completion_tokens < len(live.engine.chat.encode(forced)) // 2
+    assert reply.usage.completion_tokens < len(live.engine.served.chat.encode(forced)) // 2
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
@@ -276,7 +276,7 @@ def test_malformed_requests_get_a_clear_400_and_change_nothing(live, body, menti
 
 
 def test_prompt_over_the_context_is_refused_with_the_exact_wording(live):
-    limit = live.engine.ceiling.limit
+    limit = live.engine.pools.ceiling.limit
     prompt = [5] * (limit + 3)
     r = httpx.post(f"{live.url}/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=30)
     assert r.status_code == 400
@@ -286,7 +286,7 @@ def test_prompt_over_the_context_is_refused_with_the_exact_wording(live):
 
 
 def test_max_tokens_is_clamped_to_the_context_left(live):
-    limit = live.engine.ceiling.limit
+    limit = live.engine.pools.ceiling.limit
     prompt = [5] * (limit - 3)
     out = httpx.post(
         f"{live.url}/v1/completions",

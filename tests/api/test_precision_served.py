@@ -47,7 +47,7 @@ def test_auto_follows_the_checkpoint_and_this_cpu(tiny_qwen3, tmp_path, start_en
     model = engine.status()["model"]
     assert model["dtype"] == expected and model["weights"] == expected
     assert model["dtype_reason"].startswith("auto:")
-    cache = engine.engine.runner.manager.batch_processor.cache
+    cache = engine.engine.pools.runner.manager.batch_processor.cache
     assert cache.dtype == getattr(torch, expected)
     assert _chat(engine)["usage"]["completion_tokens"] == 6
 
@@ -73,10 +73,10 @@ def test_step_breakdown_counts_a_served_request(tiny_qwen3, start_engine):
     from moetray.engine.bench.breakdown import CATEGORIES, StepBreakdown, thread_cpu_seconds
 
     engine = start_engine(tiny_qwen3)
-    loaded = engine.engine.loaded
+    loaded = engine.engine.served.loaded
     forward = loaded.model.forward
     breakdown = StepBreakdown(loaded.model, loaded.runtime,
-                              engine.engine.runner.manager.batch_processor).install()
+                              engine.engine.pools.runner.manager.batch_processor).install()
     try:
         _chat(engine, n=8)
         engine.wait_idle()

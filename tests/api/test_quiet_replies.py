@@ -14,7 +14,7 @@ import httpx
 
 
 def _counts(live) -> tuple[int, int]:
-    return live.engine.runner.routing_counts()
+    return live.engine.pools.runner.routing_counts()
 
 
 def _chat(live, **extra) -> dict:
@@ -90,7 +90,7 @@ def test_a_stop_string_keeps_the_every_step_path(live):
     assert whole["choices"][0]["message"]["content"] == "Hello there "
     assert tapped1 - tapped0 == 0
     assert loop1 - loop0 == whole["usage"]["completion_tokens"]
-    assert whole["usage"]["completion_tokens"] < len(live.engine.chat.encode(forced)) // 2
+    assert whole["usage"]["completion_tokens"] < len(live.engine.served.chat.encode(forced)) // 2
 
 
 def test_a_whole_text_completion_takes_the_quiet_path_too(live):

@@ -1,8 +1,9 @@
 """Live re-split on a real engine: applied, refused by arithmetic, the fault matrix, and under load.
 
-The fault hooks (``engine.faults``) make the real destructive step fail before teardown,
-after teardown, or in the restore; each outcome is checked through HTTP the way the tray
-sees it (status, ``wire.RebuildResult`` fields, gate state, and whether serving still works).
+The fault seam (the ``rebuild_faults`` fixture, ``tests/rebuild_faults.py``, wrapped around the
+engine's pools for one test) makes the real destructive step fail before teardown, after
+teardown, or in the restore; each outcome is checked through HTTP the way the tray sees it
+(status, ``wire.RebuildResult`` fields, gate state, and whether serving still works).
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def _back_to_default(eng):
     """Each test starts from the same split and ends serving with consistent books."""
     yield
     assert eng.wait_idle()["state"] == "serving"
-    eng.engine.runner.check_integrity()
-    eng.engine.loaded.runtime.check_integrity()
+    eng.engine.pools.check_integrity()
     r = httpx.post(
         f"{eng.url}{REBUILD}", headers=ADMIN, json={"moe_slots": 16, "kv_tokens": 2048}, timeout=60
     )
@@ -62,7 +62,7 @@ def chat(engine: LiveEngine, messages: list, n: int = 4) -> dict:
 
 def test_kv_resplit_applies_without_reloading_and_invalidates_the_prefix_cache(eng):
     before_text = greedy(eng, "Resize me")
-    model = eng.engine.loaded.model
+    model = eng.engine.served.loaded.model
     r = rebuild(eng, kv_tokens=1024)
     assert r.status_code == 200
     result = r.json()
@@ -73,7 +73,7 @@ def test_kv_resplit_applies_without_reloading_and_invalidates_the_prefix_cache(e
     assert result["prefix_cache_invalidated"] is True
     assert result["elapsed_ms"] > 0
     assert sizes(eng) == (16, 64)
-    assert eng.engine.loaded.model is model  # no weight reload
+    assert eng.engine.served.loaded.model is model  # no weight reload
     assert eng.status()["last_rebuild"] == result
     assert greedy(eng, "Resize me") == before_text  # same tokens from the new pool
 
@@ -130,11 +130,13 @@ FAULTS = [
 
 
 @pytest.mark.parametrize(("fault", "body", "outcome", "invalidated"), FAULTS)
-def test_fault_matrix_recoverable_outcomes_keep_the_engine_serving(eng, fault, body, outcome, invalidated):
+def test_fault_matrix_recoverable_outcomes_keep_the_engine_serving(
+    eng, rebuild_faults, fault, body, outcome, invalidated
+):
     """Fails before teardown → rejected intact; after teardown → the touched pools are restored."""
     before = sizes(eng)
     reference = greedy(eng, "Still serving?")
-    setattr(eng.engine.faults, fault, True)
+    setattr(rebuild_faults(eng), fault, True)
     r = rebuild(eng, **body)
     assert r.status_code == 409
     err = r.json()["error"]
@@ -147,13 +149,13 @@ def test_fault_matrix_recoverable_outcomes_keep_the_engine_serving(eng, fault, b
     assert greedy(eng, "Still serving?") == reference
 
 
-def test_a_transaction_outliving_its_reply_keeps_the_gate_closed_until_it_ends(eng):
+def test_a_transaction_outliving_its_reply_keeps_the_gate_closed_until_it_ends(eng, rebuild_faults):
     """Timeouts fail closed: the reply gives up on a slow re-split (``rebuild_timed_out``, retry
     later), admission stays closed while the pools may be half built, and the transaction's own
     end reopens the gate with the new sizes. Reopening at the timeout would admit requests
     into pools being torn down."""
     hold = threading.Event()
-    eng.engine.faults.hold = hold
+    rebuild_faults(eng).hold = hold
     before = sizes(eng)
     r = rebuild(eng, kv_tokens=1024, txn_timeout_s=1.0)  # the documented minimum
     try:
@@ -179,10 +181,11 @@ def test_a_transaction_outliving_its_reply_keeps_the_gate_closed_until_it_ends(e
     assert greedy(eng, "Back again?")
 
 
-def test_a_failed_restore_latches_the_engine(tiny_qwen3, start_engine):
+def test_a_failed_restore_latches_the_engine(tiny_qwen3, start_engine, rebuild_faults):
     engine = start_engine(tiny_qwen3)
-    engine.engine.faults.after_teardown = True
-    engine.engine.faults.restore = True
+    faults = rebuild_faults(engine)
+    faults.after_teardown = True
+    faults.restore = True
     r = rebuild(engine, kv_tokens=1024)
     assert r.status_code == 500
     err = r.json()["error"]

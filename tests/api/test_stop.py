@@ -102,7 +102,7 @@ def test_stop_aborts_what_does_not_drain_in_time(tiny_qwen3, start_engine):
     assert chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
     assert r.json()["completion_tokens_total"] < 800
     assert (r.json()["drained"], r.json()["aborted"]) == (0, 1)
-    assert engine.engine.runner.kv_stats().used == 0
+    assert engine.engine.pools.runner.kv_stats().used == 0
 
 
 def test_stop_during_a_rebuild_is_refused_and_changes_nothing(tiny_qwen3, start_engine):

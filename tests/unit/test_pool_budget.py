@@ -17,7 +17,6 @@ from moetray.policy.pool_budget import (
     RebuildRequest,
     budget_from_free_memory,
     fraction_of,
-    gib,
     plan_budget,
     presets,
     project,
@@ -128,6 +127,24 @@ def test_too_large_carries_needed_and_net_budget():
     assert refusal.sizes == PoolSizes(64, 2**40)
 
 
+def test_more_slots_than_the_model_has_experts_is_too_large_and_names_the_pool():
+    """Slots beyond every expert of every layer would sit empty while the KV pool starves."""
+    refusal = rejected(RebuildRequest(moe_slots=100), max_moe_slots=64)
+    assert (refusal.kind, refusal.pool, refusal.requested) == ("too_large", "moe", 100)
+    assert refusal.needed_bytes is None
+    assert rejected(RebuildRequest(moe_slots=3), max_moe_slots=64).kind == "below_floor"  # floor first
+    assert validate(RebuildRequest(moe_slots=64), max_moe_slots=64) == PoolSizes(64, 1024)
+
+
+def test_the_budget_bundle_validates_with_its_expert_cap():
+    """The engine validates through PoolBudget; dropping the cap there would let 10**6 slots through."""
+    budget = PoolBudget(page_size=16, floors=FLOORS, max_moe_slots=96, **COSTS)
+    with pytest.raises(RebuildRejected) as refusal:
+        budget.validate(RebuildRequest(moe_slots=97), CURRENT, idle=True)
+    assert (refusal.value.kind, refusal.value.pool) == ("too_large", "moe")
+    assert budget.validate(RebuildRequest(moe_slots=96), CURRENT, idle=True) == PoolSizes(96, 1024)
+
+
 def test_unnamed_pool_keeps_its_current_size():
     """Resetting a pool the request did not name would resize it behind the user's back."""
     assert validate(RebuildRequest(moe_slots=128)) == PoolSizes(128, 1024)
@@ -213,6 +230,43 @@ def test_plan_refuses_when_the_floors_do_not_fit(budget, floor_kv):
         )
     assert refusal.value.kind == "too_large"
     assert refusal.value.needed_bytes == 400 + max(floor_kv, MIN_KV_PAGES) * 10
+
+
+PINNABLE = PoolBudget(
+    budget_bytes=10000,
+    bytes_per_slot=100,
+    bytes_per_page=10,
+    page_size=16,
+    floors=PoolFloors(4, 3),
+    max_moe_slots=40,
+)
+
+
+@pytest.mark.parametrize(
+    ("pinned", "expected"),
+    [
+        (None, PINNABLE.plan(0)),
+        (RebuildRequest(), PINNABLE.plan(0)),
+        (RebuildRequest(kv_pages=500), PoolSizes(40, 500)),  # experts take the rest, up to every expert
+        (RebuildRequest(kv_pages=900), PoolSizes(10, 900)),
+        (RebuildRequest(moe_slots=20), PoolSizes(20, 800)),  # KV takes every page the rest pays for
+        (RebuildRequest(moe_slots=100, kv_pages=100), PoolSizes(40, 100)),  # slots capped at every expert
+    ],
+)
+def test_plan_keeps_a_pinned_pool_and_fits_the_other_around_it(pinned, expected):
+    """``--moe-capacity`` / ``--kv-tokens`` pin one pool; ignoring it, or starving the other, surprises."""
+    assert PINNABLE.plan(0, pinned=pinned) == expected
+
+
+@pytest.mark.parametrize(
+    "pinned",
+    [RebuildRequest(moe_slots=20, kv_pages=900), RebuildRequest(kv_pages=990), RebuildRequest(moe_slots=2)],
+)
+def test_a_pinned_split_that_does_not_fit_is_refused_like_a_rebuild(pinned):
+    """A pinned size over budget must fail loading by name, not as an allocation error after the weights."""
+    with pytest.raises(RebuildRejected) as refusal:
+        PINNABLE.plan(0, pinned=pinned)
+    assert refusal.value.kind in ("too_large", "below_floor")
 
 
 def test_reserve_pages_rounds_up():
@@ -319,8 +373,6 @@ def test_project_gives_slots_tokens_and_bytes():
     proj = project(PoolSizes(10, 4), page_size=16, bytes_per_slot=GiB, bytes_per_page=MiB)
     assert proj.kv_tokens == 64
     assert (proj.moe_bytes, proj.kv_bytes, proj.total_bytes) == (10 * GiB, 4 * MiB, 10 * GiB + 4 * MiB)
-    assert gib(proj.moe_bytes) == 10.0
-    assert gib(None) is None
 
 
 def test_wire_round_trip_gives_the_dashboard_the_engines_limits():

@@ -1,0 +1,178 @@
+"""The loading sequence: from ``EngineOptions`` to a served model and its pools.
+
+:func:`load_model` reads the checkpoint (or builds the embedded demo model), decides the
+prefix policy, device, dtype and top-k, loads the weights with the experts offloaded,
+measures the device budget once, prices the pools (``pools.price_pools``), plans the
+start-up split (``PoolBudget.plan``, a pinned ``--moe-capacity`` / ``--kv-tokens`` kept),
+probes the chat template and opens the pools. ``LoadState`` is what ``/health`` says
+meanwhile: the stage, and the reason when loading failed.
+
+May import torch, ``moetray.engine.models``, ``moetray.engine.demo``, ``moetray.engine.chat``,
+``moetray.engine.budget``, ``moetray.engine.cb``, ``moetray.engine.pools`` and
+``moetray.policy``; never the HTTP layer, the engine front or the control operations.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from moetray.engine.cb import choose_prefix_policy
+from moetray.engine.pools import Pools, RunnerSettings, price_pools
+from moetray.policy.pool_budget import RebuildRequest, reserve_pages
+
+if TYPE_CHECKING:
+    from moetray.engine.chat import ChatSupport
+    from moetray.engine.core import EngineOptions
+    from moetray.engine.models.checkpoint import LoadedModel
+
+log = logging.getLogger("moetray.engine.load")
+
+
+class LoadState:
+    """Where loading stands, for ``/health``: the stage with its progress, and why it failed."""
+
+    def __init__(self) -> None:
+        self.progress: dict[str, Any] | None = {"stage": "starting", "done": 0, "total": None}
+        self.error: str | None = None
+        self.error_kind: str | None = None  # the refusal's kind when loading was refused by name
+
+    def report(self, stage: str, done: int, total: int | None) -> None:
+        self.progress = {"stage": stage, "done": int(done), "total": None if total is None else int(total)}
+
+    def failed(self, exc: BaseException) -> None:
+        """Loading raised ``exc``: a refusal by name keeps its sentence, anything else its type too."""
+        self.error_kind = getattr(exc, "kind", None)
+        self.error = str(exc) if self.error_kind else f"{type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The loaded checkpoint and what serving it needs beside the pools."""
+
+    loaded: LoadedModel
+    chat: ChatSupport
+    eos_ids: tuple[int, ...]  # the checkpoint's EOS ids, then the chat template's turn stops
+    prefix_policy: str
+
+    @property
+    def model_id(self) -> str:
+        return self.loaded.info.model_id
+
+    def info(self, context_length: int | None) -> dict[str, Any]:
+        """``policy.wire.ModelInfo``, with the context the pools allow."""
+        info = self.loaded.info
+        return {
+            "id": info.model_id,
+            "path": str(info.path),
+            "architecture": info.architecture,
+            "label": info.label,
+            "num_layers": self.loaded.runtime.num_layers,
+            "num_experts": info.num_experts,
+            "top_k": self.loaded.top_k,
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "weights": self.loaded.format.weights,
+            "dtype_reason": self.loaded.format.reason,
+            "context_length": info.context_length if context_length is None else context_length,
+        }
+
+
+def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pools]:
+    """Read, price, load and open the pools; raises the checkpoint's or the budget's refusals."""
+    from moetray.engine.budget import cpu_budget, cuda_budget, cuda_free_bytes
+    from moetray.engine.chat import ChatSupport
+    from moetray.engine.models import checkpoint as loader
+
+    progress = state.report
+    model_dir = opts.model_dir
+    if model_dir is None:
+        progress("preparing the embedded demo model", 0, None)
+        from moetray.engine.demo import ensure_demo_model
+
+        model_dir = ensure_demo_model(progress)
+    progress("reading config", 0, None)
+    info = loader.inspect_checkpoint(model_dir)
+    prefix_policy = choose_prefix_policy(opts.prefix_policy, info.config)
+    device = loader.resolve_device(opts.device)
+    fmt = loader.serving_format(opts.dtype, info, device)
+    top_k = opts.top_k or info.default_top_k
+    if top_k != info.top_k and not info.top_k_adjustable:
+        raise loader.CheckpointError(
+            "top_k_fixed",
+            f"this checkpoint was built for top-{info.top_k}; "
+            f"its sidecar says top-k is not adjustable (asked for {top_k})",
+        )
+    if not 1 <= top_k <= info.num_experts:
+        raise loader.CheckpointError("bad_top_k", f"top-k must lie in [1, {info.num_experts}], got {top_k}")
+    floor_slots = info.num_experts  # one layer of experts
+    baseline_free = cuda_free_bytes(device)[0] if device.type == "cuda" else None
+    loaded = loader.load_checkpoint(
+        info,
+        device=device,
+        fmt=fmt,
+        capacity=floor_slots,
+        top_k=top_k,
+        progress=progress,
+        link_gbps=opts.link_gbps,
+        policy=opts.expert_policy,
+    )
+    runtime = loaded.runtime
+    dtype = loaded.dtype  # activations and the KV cache
+    if device.type == "cuda":
+        measured = cuda_budget(
+            device,
+            baseline_free=baseline_free,
+            free_after_weights=cuda_free_bytes(device)[0],
+            pools_already_allocated=floor_slots * int(runtime.bytes_per_slot),
+            budget_bytes=opts.budget_bytes,
+            ratio=opts.memory_ratio,
+        )
+    else:
+        measured = cpu_budget(opts.budget_bytes)
+    budget = price_pools(
+        loaded.model.config,
+        runtime,
+        measured,
+        page_size=opts.page_size,
+        max_batch_tokens=opts.max_batch_tokens,
+        dtype=dtype,
+    )
+    pinned = RebuildRequest(
+        moe_slots=opts.moe_capacity,
+        kv_pages=None if opts.kv_tokens is None else reserve_pages(opts.kv_tokens, opts.page_size),
+    )
+    sizes = budget.plan(opts.kv_reserve_tokens, pinned=pinned)
+    log.info(
+        "pool split: %d expert slots (%d B each), %d KV pages of %d tokens (%d B each); budget %d B (%s)",
+        sizes.moe_slots,
+        budget.bytes_per_slot,
+        sizes.kv_pages,
+        opts.page_size,
+        budget.bytes_per_page,
+        budget.budget_bytes,
+        measured.source,
+    )
+    eos_ids = loader.eos_token_ids(loaded.model, loaded.tokenizer)
+    progress("probing the chat template", 0, 1)
+    chat = ChatSupport.probe(loaded.tokenizer, info, eos_ids=eos_ids)
+    eos_ids += tuple(t for t in chat.turn_stop_ids if t not in eos_ids)
+    settings = RunnerSettings(
+        page_size=opts.page_size,
+        max_batch_tokens=opts.max_batch_tokens,
+        max_requests_per_batch=opts.max_requests_per_batch,
+        prefix_policy=prefix_policy,
+        eos_token_ids=eos_ids,
+        anchor_token=chat.anchor_token,
+        step_delay_s=opts.test_step_delay_s if opts.test_hooks else 0.0,
+    )
+    # The model and the libraries are long-lived: freeze them out of the cyclic GC, or every
+    # gc.collect() the batching substrate runs when a manager stops (each KV re-split) walks
+    # the whole heap (~1 s instead of ~1 ms). Frozen before the pools are sized: the batch
+    # manager is a reference cycle, and a frozen cycle is never collected, so a KV pool built
+    # before the freeze would stay mapped after its first re-split (issue 11, defect 2).
+    gc.freeze()
+    pools = Pools(loaded.model, runtime, budget, measured, settings, trained_context=info.context_length)
+    pools.open(sizes, progress)
+    return ServedModel(loaded, chat, eos_ids, prefix_policy), pools

@@ -1,0 +1,257 @@
+"""The device pools: the expert slot pool, the KV pool, and the budget that splits memory between them.
+
+``Pools`` owns the experts runtime (its slot pool holds the resident experts), the batch
+runner (transformers' continuous batching, whose paged cache is the KV pool) and the
+``policy.pool_budget.PoolBudget`` priced once at load. Every size, limit, projection and
+the ``/admin/status`` ``pools`` payload (``PoolBudget.to_wire``) come from that budget;
+``Pools`` applies sizes and reports what it holds, it does no arithmetic of its own.
+
+Pools are named as ``RebuildRequest.touched()`` names them. ``"moe"`` is resized in place,
+between two steps of the paused batch loop, keeping the hottest experts. The pools in
+:data:`RUNNER_POOLS` live inside the batch runner and are re-created with it: ``"kv"`` today;
+the recurrent-state slots of hybrid models join them (a new ``PoolSizes`` field priced by
+``PoolBudget``, allocated by the runner beside the KV pool).
+
+The re-split's destructive step (:meth:`Pools.resize`) and its rollback
+(:meth:`Pools.restore`) are the two callables ``policy.rebuild.RebuildTxn`` runs; the live
+re-split (``engine/rebuild.py``) reaches the pools only through them, :meth:`Pools.sizes`
+and :meth:`Pools.validate`.
+
+May import torch (lazily), ``moetray.engine.cb``, ``moetray.engine.budget`` and
+``moetray.policy``; never the HTTP layer, the engine front or the control operations.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from moetray.engine.budget import ContextCeiling, DeviceBudget
+from moetray.engine.cb import BatchRunner, RunnerConfig, kv_bytes_per_page, kv_overhead_bytes
+from moetray.policy.pool_budget import PoolBudget, PoolFloors, PoolSizes, RebuildRequest, reserve_pages
+
+log = logging.getLogger("moetray.engine.pools")
+
+RUNNER_POOLS = frozenset({"kv"})
+"""Pools that live inside the batch runner: changing one stops the runner and builds a new one
+(its prefix cache goes with it). Every other pool is resized in place with the loop paused."""
+
+
+class AllocationFailed(RuntimeError):
+    """A pool could not be allocated beside everything else; raised before anything was freed."""
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """What every batch runner of this engine shares; only the KV pool's size differs between them."""
+
+    page_size: int
+    max_batch_tokens: int
+    max_requests_per_batch: int
+    prefix_policy: str
+    eos_token_ids: tuple[int, ...]
+    anchor_token: int | None
+    step_delay_s: float = 0.0
+
+    def config(self, kv_pages: int) -> RunnerConfig:
+        return RunnerConfig(
+            kv_pages=kv_pages,
+            page_size=self.page_size,
+            max_batch_tokens=self.max_batch_tokens,
+            max_requests_per_batch=self.max_requests_per_batch,
+            prefix_policy=self.prefix_policy,
+            eos_token_ids=self.eos_token_ids,
+            anchor_token=self.anchor_token,
+            step_delay_s=self.step_delay_s,
+        )
+
+
+def price_pools(
+    model_config, runtime, device: DeviceBudget, *, page_size: int, max_batch_tokens: int, dtype
+) -> PoolBudget:
+    """The pools' ``PoolBudget``: unit costs from the model geometry, floors, the measured budget.
+
+    The MoE floor is one layer of experts; the KV floor holds one full batch of tokens plus
+    a page. A KV page costs its keys and values over every layer plus what the substrate
+    spends per page beside them; what it spends regardless of size is ``fixed_bytes``.
+    """
+    kv_page = kv_bytes_per_page(model_config, page_size=page_size, dtype=dtype)
+    overhead_page, fixed = kv_overhead_bytes(
+        model_config, page_size=page_size, dtype=dtype, max_batch_tokens=max_batch_tokens
+    )
+    return PoolBudget(
+        budget_bytes=device.budget_bytes,
+        bytes_per_slot=int(runtime.bytes_per_slot),
+        bytes_per_page=kv_page + overhead_page,
+        page_size=page_size,
+        floors=PoolFloors(
+            moe_slots=runtime.num_experts, kv_pages=reserve_pages(max_batch_tokens, page_size) + 1
+        ),
+        max_moe_slots=runtime.num_layers * runtime.num_experts,
+        fixed_bytes=fixed,
+    )
+
+
+class Pools:
+    """One model's pools: the expert slot pool (``runtime``), the KV pool (``runner``) and their budget.
+
+    Built by the loader with the runtime already holding a floor of slots; :meth:`open`
+    gives both pools their start-up sizes. ``runner`` is ``None`` only while a KV re-split
+    has torn the old pool down (or after a failed restore latched the engine). ``ceiling``
+    is the context every request is held to, re-derived whenever a KV pool is built.
+    Thread model: the request path reads ``runner`` on the server's loop; resizes run in the
+    re-split's worker thread while the gate keeps requests out.
+    """
+
+    def __init__(
+        self,
+        model,
+        runtime,
+        budget: PoolBudget,
+        device: DeviceBudget,
+        settings: RunnerSettings,
+        *,
+        trained_context: int | None,
+    ) -> None:
+        self.model = model
+        self.runtime = runtime
+        self.budget = budget
+        self.device = device
+        self.settings = settings
+        self.trained_context = trained_context
+        self.runner: BatchRunner | None = None
+        self.ceiling: ContextCeiling | None = None
+        self.last_rebuild: dict[str, Any] | None = None  # wire.RebuildResult of the last re-split
+
+    # -- sizes -------------------------------------------------------------------------------
+
+    def open(self, sizes: PoolSizes, progress: Callable[[str, int, int | None], None]) -> None:
+        """Give both pools their start-up sizes and start the batch loop."""
+        progress("sizing the expert slot pool", 0, 1)
+        if sizes.moe_slots != self.runtime.capacity:
+            self.runtime.resize(sizes.moe_slots)
+        progress("allocating the KV pool", 0, 1)
+        self.open_kv(sizes.kv_pages)
+
+    def sizes(self) -> PoolSizes:
+        """What the pools hold now (KV pages 0 while no KV pool exists)."""
+        return PoolSizes(self.runtime.capacity, self.runner.kv_pages if self.runner is not None else 0)
+
+    def validate(self, request: RebuildRequest, *, idle: bool) -> PoolSizes:
+        """The sizes a re-split would land on (``PoolBudget.validate``); refuses with ``RebuildRejected``."""
+        return self.budget.validate(request, self.sizes(), idle=idle)
+
+    def to_wire(self) -> dict[str, object]:
+        """``policy.wire.PoolInfo``: ``PoolBudget.to_wire`` for the current sizes, KV use and live bytes."""
+        stats = self.runner.kv_stats() if self.runner is not None else None
+        return self.budget.to_wire(
+            self.sizes(),
+            kv_pages_used=stats.used if stats else None,
+            kv_pages_evictable=stats.evictable if stats else None,
+            live_moe_bytes=int(self.runtime.pool.rows.nbytes),
+            live_kv_bytes=self.runner.pool_bytes() if self.runner is not None else None,
+        )
+
+    # -- the re-split's two callables ------------------------------------------------------------
+
+    def resize(
+        self, target: PoolSizes, touched: frozenset[str], mark_teardown: Callable[[], None]
+    ) -> PoolSizes:
+        """The destructive step: the ``touched`` pools take their ``target`` sizes; returns what landed.
+
+        Calls ``mark_teardown()`` before freeing anything and raises on failure (a failure
+        before that point left everything as it was). In-place only: the expert pool is
+        resized between two steps of the paused loop (the runtime marks teardown itself,
+        after its new pool was allocated). A runner pool touched: the growth is checked
+        against free memory first, then the runner stops, its pools are dropped, the expert
+        pool is resized and a new runner is built at the target.
+        """
+        if not touched & RUNNER_POOLS:
+            with self._paused():
+                self.runtime.resize(target.moe_slots, mark_teardown=mark_teardown)
+            return self.sizes()
+        self.check_kv_growth(target.kv_pages)
+        mark_teardown()
+        self.close_kv()
+        if "moe" in touched:
+            self.runtime.resize(target.moe_slots)
+        self.open_kv(target.kv_pages)
+        return self.sizes()
+
+    def restore(self, old: PoolSizes, touched: frozenset[str]) -> None:
+        """The rollback: re-create only the ``touched`` pools at their ``old`` sizes; raises if it fails."""
+        if "moe" in touched and self.runtime.capacity != old.moe_slots:
+            with self._paused():
+                self.runtime.resize(old.moe_slots)
+        if touched & RUNNER_POOLS:
+            self.close_kv()
+            self.open_kv(old.kv_pages)
+
+    # -- the batch runner (the runner pools) -----------------------------------------------------
+
+    def open_kv(self, kv_pages: int) -> None:
+        """Build and start a batch runner with ``kv_pages`` KV pages; re-derives the context ceiling."""
+        runner = BatchRunner(self.model, self.settings.config(kv_pages))
+        runner.start()
+        self.runner = runner
+        self.ceiling = ContextCeiling.for_model(
+            self.trained_context, runner.kv_pages * self.settings.page_size
+        )
+
+    def close_kv(self) -> None:
+        """Stop the batch runner and free its pools (the KV pool and its prefix cache); idempotent."""
+        runner, self.runner = self.runner, None
+        if runner is None:
+            return
+        runner.stop()
+        del runner
+        gc.collect()
+
+    def check_kv_growth(self, kv_pages: int) -> None:
+        """Refuse, before teardown, a KV pool that cannot be allocated beside everything else.
+
+        The old pool is freed before the new one is made, so only the growth must fit in the
+        memory free right now (device memory on CUDA, available host RAM on the CPU tier).
+        Raises ``AllocationFailed``; mutates nothing.
+        """
+        if self.runner is None:
+            return
+        growth = (kv_pages - self.runner.kv_pages) * self.budget.bytes_per_page
+        if growth <= 0:
+            return
+        if self.runtime.device.type == "cuda":
+            import torch
+
+            free = int(torch.cuda.mem_get_info(self.runtime.device)[0])
+        else:
+            import psutil
+
+            free = int(psutil.virtual_memory().available)
+        if growth > free:
+            raise AllocationFailed(f"the KV pool needs {growth} more bytes but only {free} are free")
+
+    @contextmanager
+    def _paused(self) -> Iterator[None]:
+        if self.runner is None:
+            yield
+            return
+        with self.runner.paused():
+            yield
+
+    # -- checks and shutdown ---------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise unless both pools' books balance (the KV ledger and the expert slot map)."""
+        if self.runner is not None:
+            self.runner.check_integrity()
+        self.runtime.check_integrity()
+
+    def close(self) -> None:
+        """Stop the batch loop (process exit); idempotent."""
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            runner.stop()
