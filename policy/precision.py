@@ -15,12 +15,15 @@ default) picks, without ever rounding the checkpoint's own weights:
 An explicit ``--dtype`` is served as asked: ``float32``, ``bfloat16``, ``float16``, or
 ``int8`` (every weight but the embedding table rounded to int8 per output channel, experts
 included, computed by torch's weight-only int8 kernel on bfloat16 activations: lossy, never
-chosen by ``auto``, CPU only). Pure: CPU features are passed in.
+chosen by ``auto``, CPU only; from a GGUF file, only Q8_0 experts are re-rounded to it). Pure:
+CPU features are passed in.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from moetray.policy.refused import Refused
 
 FORMATS = ("auto", "float32", "bfloat16", "float16", "int8")
 """What ``--dtype`` accepts."""
@@ -40,15 +43,11 @@ class ServingFormat(NamedTuple):
     reason: str
 
 
-class FormatRefused(ValueError):
+class FormatRefused(Refused, ValueError):
     """A ``--dtype`` that cannot be served: ``unknown_dtype`` (not one of :data:`FORMATS`) or
     ``int8_needs_cpu`` (the weight-only int8 kernels the int8 format uses are the CPU's)."""
 
     KINDS = ("unknown_dtype", "int8_needs_cpu")
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 def native_16bit(cpu_features: frozenset[str]) -> tuple[str, ...]:

@@ -1,7 +1,8 @@
 """Experts kept and computed as int8: one byte per weight in the store, the slots and every GEMM.
 
 ``--dtype int8`` rounds each expert's projections to int8 with one bfloat16 scale per output
-channel (symmetric, round to nearest against the stored scale), once, when the store is built.
+channel (symmetric, round to nearest against the stored scale), once, when the store is built;
+a Q8_0 GGUF file's expert blocks are re-rounded the same way (:meth:`Int8ExpertStore.from_store`).
 A row is then bytes: per projection the int8 matrix in ``[out, in]`` layout, its scales, and
 its bias (bfloat16) when the family has one, each at a 64-byte boundary. A slot fill copies
 those bytes as they are, and the grouped path computes each routed expert's group straight
@@ -106,6 +107,11 @@ class Int8Layout:
                 row[part.bias_offset:part.bias_offset + 2 * bias.numel()].copy_(bias.view(torch.uint8))
 
 
+def _q8_0_only(store: ExpertStore) -> bool:
+    """Every part of every layer's experts is stored as Q8_0 blocks."""
+    return all(set(codec.bytes_by_label()) == {"Q8_0"} for codec in store.codecs)
+
+
 def int8_gemm(states: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """``states @ (qweight · scale)ᵀ`` by the weight-only int8 kernel (bfloat16 activations)."""
     if states.dtype != torch.bfloat16 or not states.is_contiguous():
@@ -131,20 +137,31 @@ class Int8ExpertStore(ExpertStore):
 
     @classmethod
     def from_store(cls, source: ExpertStore) -> Int8ExpertStore:
-        """Quantize ``source`` (a full-precision store) layer by layer, freeing each float bank
-        once its int8 bank is built. Refuses a quantized source (``int8_needs_float_experts``)."""
-        if source.quantized:
+        """Quantize ``source`` layer by layer, freeing each source bank once its int8 bank is built.
+
+        A full-precision store is rounded per output channel. A store of Q8_0 blocks (a Q8_0
+        GGUF file) is decoded to float32 and re-rounded per output channel: torch has no kernel
+        for Q8_0's one-scale-per-32-weights blocks, and the per-channel step is at most one more
+        half-step of rounding (a block's scale never exceeds its channel's), for ~1.0 byte per
+        weight read instead of the 2 or 4 of decoded slots. Other quantized formats are refused
+        (``int8_needs_float_experts``): int8 would read more bytes than their 4-6 bits, and they
+        stay decoded per slot (the quantized store's own path)."""
+        if source.quantized and not _q8_0_only(source):
             raise ExpertStoreError("int8_needs_float_experts", "--dtype int8 re-quantizes full-precision "
-                                   f"experts; these are stored as {source.format}")
+                                   f"or Q8_0 experts; these are stored as {source.format}")
         geo = source.layers[0].geometry
         layout = Int8Layout.from_geometry(geo)
         banks = []
         for layer in range(source.num_layers):
             bank = torch.empty((source.layers[layer].num_experts, layout.row_bytes), dtype=torch.uint8)
             for expert in range(bank.shape[0]):
-                layout.quantize(unpack_row(source.row(layer, expert), geo), geo, bank[expert])
+                if source.quantized:
+                    row = source.codecs[layer].decode(source.banks[layer][expert], torch.float32)
+                else:
+                    row = source.row(layer, expert)
+                layout.quantize(unpack_row(row, geo), geo, bank[expert])
             banks.append(bank)
-            source.banks[layer] = torch.empty(0)  # the float bank is no longer needed
+            source.banks[layer] = torch.empty(0)  # the source bank is no longer needed
         return cls(source, layout, banks)
 
     @property
