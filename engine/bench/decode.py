@@ -27,7 +27,9 @@ Measured per format and batch:
 
 ``--peer LABEL=URL`` (repeatable) measures another OpenAI-compatible server that is already
 running (for example llama.cpp's) with the same client in the same rounds, and reports the
-ratios. The receipt is ``bench/results/decode.json``.
+ratios. Where llama.cpp serves a Q8_0 file and ``int8`` is among the formats, moetray also serves
+that very file under ``--dtype int8`` (target ``int8 (Q8_0 file)``).
+The receipt is ``bench/results/decode.json``.
 """
 
 from __future__ import annotations
@@ -317,6 +319,13 @@ def main(argv: list[str]) -> int:
                                   max_requests=max(batches))
             served.wait_serving()
             engines[fmt] = served
+        q8_file = next((path for label, path in llama_files if label == EQUAL_BYTES[Q8_FILE]), None)
+        if q8_file is not None and "int8" in formats:  # the same Q8_0 file llama.cpp serves
+            _progress(f"loading int8 from {q8_file.name}")
+            served = ServedEngine(q8_file, "int8", kv_tokens=max(batches) * (args.max_tokens + 128) * 2,
+                                  max_requests=max(batches))
+            served.wait_serving()
+            engines[Q8_FILE] = served
         eos = next(iter(engines.values())).engine.served.eos_ids
         peers += [server.as_target(eos) for server in llamas]
         targets: list[tuple[str, Any]] = [*engines.items(), *((p["label"], p) for p in peers)]
@@ -496,8 +505,11 @@ def render(summary: list[dict[str, Any]], *, peers: list[str], quality: dict[str
     return table, notes
 
 
-EQUAL_BYTES = {"bfloat16": "llama.cpp F16", "float16": "llama.cpp F16", "int8": "llama.cpp Q8_0"}
-"""Each moetray format and the llama.cpp file reading as many bytes per weight."""
+Q8_FILE = "int8 (Q8_0 file)"
+"""moetray serving llama.cpp's own Q8_0 file under ``--dtype int8`` (its blocks re-rounded per channel)."""
+EQUAL_BYTES = {"bfloat16": "llama.cpp F16", "float16": "llama.cpp F16", "int8": "llama.cpp Q8_0",
+               Q8_FILE: "llama.cpp Q8_0"}
+"""Each moetray target and the llama.cpp file reading as many bytes per weight."""
 
 
 def goals(summary: list[dict[str, Any]], served: str | None) -> dict[str, Any]:
