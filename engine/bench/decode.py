@@ -301,6 +301,7 @@ def main(argv: list[str]) -> int:
     served_auto = resolve_format("auto", model_dir, torch.device("cpu")).weights
     _progress(f"memory bandwidth ({args.threads} threads)")
     bw = read_bandwidth_gbs()
+    load_before = os.getloadavg()[0]  # other processes' share of the cores: wall-clock ratios need it
     _progress(f"    {bw:.1f} GB/s")
 
     if not llama_files and args.model is None and not args.no_llama:
@@ -361,6 +362,10 @@ def main(argv: list[str]) -> int:
     table, notes = render(results, peers=[p["label"] for p in peers], quality=quality, bandwidth=bw,
                           dtypes=dtypes, argv=argv)
     met = goals(results, served_auto)
+    load_after = os.getloadavg()[0]
+    notes.insert(0, f"Load average (1 min) on this {os.cpu_count()}-core machine: {load_before:.1f} at the "
+                 f"start, {load_after:.1f} at the end; above the core count, wall-clock tok/s is shared "
+                 "with other processes and server CPU ms / token is the steadier comparison.")
     notes.insert(0, "Goals (issue 15; ratio, met): " + "; ".join(
         f"{name} {g['ratio']:.2f} {'met' if g['met'] else 'NOT met'}" if g["ratio"] is not None
         else f"{name} not measured" for name, g in met.items()) + ".")
@@ -370,7 +375,8 @@ def main(argv: list[str]) -> int:
                 "max_tokens": args.max_tokens, "rounds": args.rounds, "threads": args.threads,
                 "peers": [{k: v for k, v in p.items() if k != "server"} for p in peers],
                 "llama_files": [str(path) for _, path in llama_files],
-                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                "load_average": [load_before, load_after]},
         results={"bandwidth_gbs": bw, "rows": rows, "summary": results, "quality": quality, "goals": met,
                  "auto_format": served_auto,
                  "dense_bytes_per_step": dense, "expert_bytes": expert_bytes, "dtypes": dtypes},
