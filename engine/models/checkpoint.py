@@ -18,16 +18,12 @@ from typing import Any
 
 import torch
 
-from moetray.policy.refused import Refused
+from moetray.engine.models.files import CheckpointError
 
 log = logging.getLogger("moetray.engine.models.checkpoint")
 
 SIDECAR = "moetray.json"
 Progress = Callable[[str, int, int | None], None]
-
-
-class CheckpointError(Refused):
-    """A folder that cannot be served; ``.kind`` names why (snake_case)."""
 
 
 def _first_int(obj: Any, *names: str) -> int | None:
@@ -87,7 +83,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     (``not_a_checkpoint``, ``unreadable_config``, ``quantized_checkpoint``, ``not_moe``)."""
     from transformers import AutoConfig
 
-    from moetray.engine.models.gguf import is_gguf_path
+    from moetray.engine.models.files import is_gguf_path
 
     if is_gguf_path(path):
         return _inspect_gguf(Path(path).expanduser().resolve())
@@ -135,7 +131,8 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
 
 def _inspect_gguf(path: Path) -> CheckpointInfo:
     """A GGUF model's facts from its headers (``moetray.engine.models.gguf.read_gguf``'s refusals)."""
-    from moetray.engine.models.gguf import SPLIT_RE, read_gguf
+    from moetray.engine.models.files import SPLIT_RE
+    from moetray.engine.models.gguf import read_gguf
 
     ck = read_gguf(path)
     text = ck.config.get_text_config()

@@ -5,8 +5,9 @@ recent folders the tray passes in and the demo, and returns one ``policy.wire.Lo
 model, with ``servable`` and the refusal kind that keeps it from being served (``not_moe`` for a
 dense model, ``quantized_checkpoint`` for GPTQ/AWQ/bitsandbytes, ``unsupported_quant_type``,
 ``unsupported_family``, ``unreadable_checkpoint`` for a truncated file or a missing blob). A GGUF
-header is read through transformers' reader, which skips the vocabulary: a large store lists in
-well under a second.
+header is read through transformers' reader, which skips the vocabulary, and what it said is kept
+in the header cache (:mod:`~moetray.engine.models.row_cache`): a listing whose files are unchanged
+reads no header and imports neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from moetray.engine.models.checkpoint import CheckpointError
-from moetray.engine.models.gguf import SPLIT_RE, read_gguf
+from moetray.engine.models.files import SPLIT_RE, CheckpointError, gguf_files, is_gguf_path
 from moetray.engine.models.names import (
     DEMO,
     hf_hub_root,
@@ -26,6 +26,7 @@ from moetray.engine.models.names import (
     ollama_blob,
     ollama_root,
 )
+from moetray.engine.models.row_cache import RowCache, cache_path, file_stamp
 from moetray.policy.wire import LocalModel
 
 __all__ = ["SERVED_QUANT_METHODS", "describe_folder", "describe_gguf", "list_models"]
@@ -65,24 +66,31 @@ def _size(paths: Iterable[Path]) -> int | None:
         return None
 
 
-def describe_gguf(name: str, source: str, path: Path) -> LocalModel:
-    """One row for the GGUF model at ``path`` (its headers only)."""
-    from moetray.engine.models.gguf import gguf_files
+def _gguf_facts(path: Path) -> dict:
+    """``family``, ``moe`` and ``refusal`` of the GGUF model at ``path``, from its headers."""
+    from moetray.engine.models.gguf import read_gguf
 
-    family = moe = None
     try:
         ck = read_gguf(path)
-        family, moe, refusal = ck.arch, True, None
-        files = ck.files
     except CheckpointError as exc:
-        refusal = exc.kind
         moe = False if exc.kind == "not_moe" else None
-        family = getattr(exc, "model_type", None)
-        try:
-            files = gguf_files(path)
-        except CheckpointError:
-            files = [path]
-    return _row(name, source, path, "gguf", family, moe, _size(f for f in files if f.exists()), refusal)
+        return {"family": getattr(exc, "model_type", None), "moe": moe, "refusal": exc.kind}
+    return {"family": ck.arch, "moe": True, "refusal": None}
+
+
+def describe_gguf(name: str, source: str, path: Path, cache: RowCache | None = None) -> LocalModel:
+    """One row for the GGUF model at ``path`` (its headers only, or the cache's record of them)."""
+    try:
+        files = gguf_files(path)
+    except CheckpointError as exc:  # a missing part of a split set, or nothing there
+        return _row(name, source, path, "gguf", None, None, _size([path] if path.exists() else []), exc.kind)
+    stamp = file_stamp(files)
+    facts = cache.get(str(path), stamp) if cache is not None else None
+    if facts is None:
+        facts = _gguf_facts(path)
+        if cache is not None:
+            cache.put(str(path), stamp, facts)
+    return _row(name, source, path, "gguf", facts["family"], facts["moe"], _size(files), facts["refusal"])
 
 
 def _text_config(cfg: dict) -> dict:
@@ -124,7 +132,7 @@ def _first_ggufs(folder: Path) -> list[Path]:
     return out
 
 
-def _huggingface(environ: Mapping[str, str]) -> list[LocalModel]:
+def _huggingface(environ: Mapping[str, str], cache: RowCache) -> list[LocalModel]:
     root = hf_hub_root(environ)
     rows = []
     for repo in sorted(root.glob("models--*--*")) if root.is_dir() else []:
@@ -135,11 +143,11 @@ def _huggingface(environ: Mapping[str, str]) -> list[LocalModel]:
         if (snap / "config.json").is_file():
             rows.append(describe_folder(f"hf:{org}/{name}", "huggingface", snap))
         for gguf in _first_ggufs(snap):
-            rows.append(describe_gguf(f"hf:{org}/{name}/{gguf.name}", "huggingface", gguf))
+            rows.append(describe_gguf(f"hf:{org}/{name}/{gguf.name}", "huggingface", gguf, cache))
     return rows
 
 
-def _lmstudio(environ: Mapping[str, str]) -> list[LocalModel]:
+def _lmstudio(environ: Mapping[str, str], cache: RowCache) -> list[LocalModel]:
     rows, seen = [], set()
     for root in lmstudio_roots(environ):
         for folder in sorted(p for p in root.glob("*/*") if p.is_dir()) if root.is_dir() else []:
@@ -147,11 +155,11 @@ def _lmstudio(environ: Mapping[str, str]) -> list[LocalModel]:
                 name = f"lmstudio:{gguf.relative_to(root).as_posix()}"
                 if name not in seen:
                     seen.add(name)
-                    rows.append(describe_gguf(name, "lmstudio", gguf))
+                    rows.append(describe_gguf(name, "lmstudio", gguf, cache))
     return rows
 
 
-def _ollama(environ: Mapping[str, str]) -> list[LocalModel]:
+def _ollama(environ: Mapping[str, str], cache: RowCache) -> list[LocalModel]:
     root = ollama_root(environ)
     manifests = root / "manifests"
     rows = []
@@ -171,7 +179,7 @@ def _ollama(environ: Mapping[str, str]) -> list[LocalModel]:
         if not blob.is_file():
             rows.append(_row(name, "ollama", blob, "gguf", None, None, None, "unreadable_checkpoint"))
             continue
-        rows.append(describe_gguf(name, "ollama", blob))
+        rows.append(describe_gguf(name, "ollama", blob, cache))
     return rows
 
 
@@ -192,17 +200,18 @@ def list_models(
     environ: Mapping[str, str] | None = None, recent: Iterable[str | Path] = ()
 ) -> list[LocalModel]:
     """Every model found on disk, in the order: demo, recent folders, Hugging Face, LM Studio, Ollama."""
-    from moetray.engine.models.gguf import is_gguf_path
-
     env = os.environ if environ is None else environ
+    cache = RowCache(cache_path(env))
     rows = [_demo()]
     for folder in recent:
         path = Path(folder).expanduser()
         if not path.exists():
             continue
         rows.append(
-            describe_gguf(str(path), "recent", path)
+            describe_gguf(str(path), "recent", path, cache)
             if is_gguf_path(path)
             else describe_folder(str(path), "recent", path)
         )
-    return rows + _huggingface(env) + _lmstudio(env) + _ollama(env)
+    rows += _huggingface(env, cache) + _lmstudio(env, cache) + _ollama(env, cache)
+    cache.save()
+    return rows

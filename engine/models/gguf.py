@@ -5,7 +5,7 @@ experts kept in their blocks.
 split set (``…-00001-of-0000N.gguf``). Headers are read through transformers' GGUF reader
 (:mod:`moetray.engine.models.hf`); the config is built here from the metadata (transformers'
 legacy mapping takes qwen2moe/qwen3moe expert sizes from defaults and assumes attention biases).
-Families: qwen2moe, qwen3moe, and llama files with ``ffn_*_exps`` tensors (Mixtral). Non-expert
+Families: qwen2moe, qwen3moe, gpt-oss, and llama files with ``ffn_*_exps`` tensors (Mixtral). Non-expert
 weights are dequantized at load (gguf-py's arithmetic, bit for bit); the routed experts go to a
 :class:`~moetray.engine.experts.store.QuantizedExpertStore` as the file's blocks. The tokenizer and
 chat template come from the metadata (``AutoTokenizer.from_pretrained(…, gguf_file=…)``).
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 import struct
 import warnings
 from collections.abc import Callable
@@ -30,65 +29,29 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetray.engine.models.checkpoint import CheckpointError
+from moetray.engine.models.files import CheckpointError, gguf_files
 from moetray.engine.models.hf import GgufHeader, GgufTensor, read_header
 
-__all__ = ["GgufCheckpoint", "gguf_files", "is_gguf_path", "load_gguf", "load_gguf_tokenizer", "read_gguf"]
+__all__ = ["GgufCheckpoint", "load_gguf", "load_gguf_tokenizer", "read_gguf"]
 
 log = logging.getLogger(__name__)
 
-SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-MOE_FAMILIES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}
+MOE_FAMILIES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral", "gpt-oss": "gpt_oss"}
+GGUF_ARCH = {"qwen2moe": "QWEN2MOE", "qwen3moe": "QWEN3MOE", "llama": "LLAMA", "gpt-oss": "GPT_OSS"}
+"""gguf-py's ``MODEL_ARCH`` member of each mapped architecture (its tensor-name map)."""
+ARCHITECTURES = {
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "llama": "MixtralForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
+}
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+"""gpt-oss's clamped SwiGLU as llama.cpp computes it: constants of its graph, not metadata."""
 LATER_FAMILIES = {
     "qwen35moe": "Qwen3.5/3.6-MoE (hybrid recurrent layers) is served once the hybrid "
     "recurrent-state pool lands",
-    "gpt-oss": "gpt-oss GGUF files are not mapped yet (its Hugging Face MXFP4 checkpoint is)",
 }
 DENSE_FAMILIES = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral", "falcon"}
-_EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-
-
-def is_gguf_path(path: str | Path) -> bool:
-    """A ``.gguf`` file, a file that starts with the GGUF magic (an Ollama blob has no suffix), or a
-    folder holding one and no ``config.json``."""
-    p = Path(path)
-    if p.suffix == ".gguf":
-        return True
-    if p.is_file():
-        try:
-            with open(p, "rb") as fh:
-                return fh.read(4) == b"GGUF"
-        except OSError:
-            return False
-    return p.is_dir() and not (p / "config.json").is_file() and any(p.glob("*.gguf"))
-
-
-def gguf_files(path: str | Path) -> list[Path]:
-    """The file(s) of the GGUF model at ``path``: the file itself, every part of its split set, or
-    the one model in a folder. Refuses ``not_a_checkpoint`` (nothing there, or a folder with several
-    models) and ``unreadable_checkpoint`` (a part of the split set is missing)."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        found = sorted(q for q in p.glob("*.gguf") if not q.name.startswith("mmproj"))
-        firsts = [q for q in found if not SPLIT_RE.match(q.name) or SPLIT_RE.match(q.name)["no"] == "00001"]
-        if len(firsts) != 1:
-            raise CheckpointError("not_a_checkpoint", f"{p} holds {len(firsts)} GGUF models; name the file")
-        p = firsts[0]
-    if not p.is_file():
-        raise CheckpointError("not_a_checkpoint", f"{p} is not a GGUF file")
-    m = SPLIT_RE.match(p.name)
-    if m is None:
-        return [p]
-    count = int(m["count"])
-    parts = [p.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-    missing = [q.name for q in parts if not q.is_file()]
-    if missing:
-        raise CheckpointError(
-            "unreadable_checkpoint",
-            f"split set {p.name} lacks {', '.join(missing)}",
-            file=str(parts[0].parent / missing[0]),
-        )
-    return parts
 
 
 @dataclass
@@ -176,7 +139,7 @@ def _moe_blocks(tensors: dict[str, GgufTensor], blocks: int) -> list[int]:
 def gguf_config(arch: str, metadata: dict, tensors: dict[str, GgufTensor]):
     """The transformers config of a GGUF model, from its metadata and tensor shapes (a shape wins
     over a metadata key that disagrees). Refuses ``unsupported_family`` and ``not_moe``."""
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import GptOssConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if arch in LATER_FAMILIES:
         raise CheckpointError(
@@ -190,6 +153,13 @@ def gguf_config(arch: str, metadata: dict, tensors: dict[str, GgufTensor]):
     if not isinstance(blocks, int):
         raise CheckpointError("unreadable_checkpoint", f"GGUF metadata names no {arch}.block_count")
     moe = _moe_blocks(tensors, blocks)
+    if not moe and any(f"blk.{i}.ffn_gate_up_exps.weight" in tensors for i in range(blocks)):
+        raise CheckpointError(
+            "unsupported_family",
+            f"this {arch} GGUF stores gate and up experts fused (ffn_gate_up_exps), which moetray "
+            "does not map yet (files converted with them apart, ffn_gate_exps/ffn_up_exps, serve)",
+            model_type=arch,
+        )
     if not moe:
         if arch in MOE_FAMILIES or arch in DENSE_FAMILIES:
             raise CheckpointError(
@@ -200,13 +170,13 @@ def gguf_config(arch: str, metadata: dict, tensors: dict[str, GgufTensor]):
             )
         raise CheckpointError(
             "unsupported_family",
-            f"GGUF architecture {arch} is not one moetray maps (qwen2moe, qwen3moe, llama/Mixtral)",
+            f"GGUF architecture {arch} is not one moetray maps (qwen2moe, qwen3moe, gpt-oss, llama/Mixtral)",
             model_type=arch,
         )
     if arch not in MOE_FAMILIES:
         raise CheckpointError(
             "unsupported_family",
-            f"GGUF architecture {arch} is not one moetray maps (qwen2moe, qwen3moe, llama/Mixtral)",
+            f"GGUF architecture {arch} is not one moetray maps (qwen2moe, qwen3moe, gpt-oss, llama/Mixtral)",
             model_type=arch,
         )
     first = moe[0]
@@ -243,6 +213,16 @@ def gguf_config(arch: str, metadata: dict, tensors: dict[str, GgufTensor]):
             num_experts_per_tok=top_k,
             sliding_window=None,
         )
+    if arch == "gpt-oss":
+        return GptOssConfig(
+            **{**common, **_gpt_oss_attention(key, blocks)},
+            head_dim=key("attention.key_length", hidden // heads),
+            intermediate_size=inter,
+            num_local_experts=experts,
+            num_experts_per_tok=top_k,
+            attention_bias=f"blk.{first}.attn_q.bias" in tensors,
+            **GPT_OSS_SWIGLU,
+        )
     ffn = tensors.get(f"blk.{dense[0]}.ffn_gate.weight") if dense else None
     dense_inter = ffn.shape[0] if ffn is not None else key("feed_forward_length", inter)
     if arch == "qwen2moe":
@@ -276,6 +256,36 @@ def gguf_config(arch: str, metadata: dict, tensors: dict[str, GgufTensor]):
     )
 
 
+def gpt_oss_layer_types(blocks: int) -> list[str]:
+    """llama.cpp's fixed pattern for gpt-oss: sliding and full attention alternate, layer 0 sliding."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(blocks)]
+
+
+def _gpt_oss_attention(key: Callable, blocks: int) -> dict:
+    """gpt-oss's sliding window, its layers' alternation and YaRN rope, as llama.cpp reads them:
+    ``attention.sliding_window``, :func:`gpt_oss_layer_types`, ``rope.scaling.*``."""
+    window = key("attention.sliding_window")
+    rope: dict[str, Any] = {"rope_theta": float(key("rope.freq_base", 150000.0))}
+    if key("rope.scaling.type") == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=float(key("rope.scaling.factor")),
+            original_max_position_embeddings=int(key("rope.scaling.original_context_length")),
+            beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)),
+            truncate=False,  # gpt-oss's own YaRN (its Hugging Face config says so)
+        )
+        if key("rope.scaling.yarn_attn_factor") is not None:
+            rope["attention_factor"] = float(key("rope.scaling.yarn_attn_factor"))
+    else:
+        rope["rope_type"] = "default"
+    return dict(
+        sliding_window=window,
+        layer_types=gpt_oss_layer_types(blocks) if window else ["full_attention"] * blocks,
+        rope_parameters=rope,
+    )
+
+
 def read_gguf(path: str | Path) -> GgufCheckpoint:
     """Every fact about the GGUF model at ``path`` that needs no tensor data (see the refusals above)."""
     files, metadata, tensors = read_headers(path)
@@ -286,11 +296,7 @@ def read_gguf(path: str | Path) -> GgufCheckpoint:
         )
     config = gguf_config(arch, metadata, tensors)
     refuse_unsupported_types(tensors)
-    config.architectures = [
-        {"qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM"}[
-            arch
-        ]
-    ]
+    config.architectures = [ARCHITECTURES[arch]]
     return GgufCheckpoint(files, metadata, tensors, arch, config)
 
 
@@ -336,16 +342,14 @@ def _non_expert_state(
     import gguf
 
     config = ck.config
-    names = gguf.get_tensor_name_map(
-        gguf.MODEL_ARCH[{"qwen2moe": "QWEN2MOE", "qwen3moe": "QWEN3MOE", "llama": "LLAMA"}[ck.arch]],
-        config.num_hidden_layers,
-    )
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[GGUF_ARCH[ck.arch]], config.num_hidden_layers)
     wanted = []
     for key in model.state_dict():
         base, _, suffix = key.rpartition(".")
         if base.endswith(".experts") or (config.tie_word_embeddings and key == "lm_head.weight"):
             continue
-        name = names.get_name(base)
+        whole = names.get_name(key)  # a bare parameter (gpt-oss's attention sinks) is NAME.weight
+        name, suffix = (whole, "weight") if whole is not None else (names.get_name(base), suffix)
         if name is None or f"{name}.{suffix}" not in ck.tensors:
             continue  # missing_weights is raised by the assignment if a parameter stays empty
         wanted.append((key, ck.tensors[f"{name}.{suffix}"]))
@@ -371,32 +375,59 @@ def _non_expert_state(
     return state
 
 
+def _expert_targets(geo) -> dict[str, tuple[tuple[int, ...], Callable]]:
+    """Each GGUF expert tensor of a layer (``ffn_gate_exps.weight`` …, ``.bias`` where the module
+    has biases) → one expert's shape in the file and where its values go in the packed row.
+
+    The file always holds gate and up apart, ``[I, H]``, and down ``[H, I]``; the module may hold
+    them transposed (gpt-oss: ``gate_up_proj`` ``[H, 2I]``, ``down_proj`` ``[I, H]``) and gate and
+    up interleaved (gpt-oss: gate in the even columns, up in the odd) rather than concatenated."""
+    seg = {s.name: s for s in geo.segments}
+    gate_up, down = seg["gate_up_proj"], seg["down_proj"]
+    transposed = geo.is_transposed
+    inter = gate_up.shape[-1 if transposed else 0] // 2
+    hidden = gate_up.shape[0 if transposed else 1]
+    if geo.is_concatenated:
+        halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
+    else:
+        halves = {"gate": slice(0, None, 2), "up": slice(1, None, 2)}
+
+    def into(segment, pick=slice(None), transpose: bool = False) -> Callable:
+        def place(out: torch.Tensor, values: torch.Tensor) -> None:
+            view = out[segment.offset : segment.offset + segment.numel].view(segment.shape)
+            view[pick].copy_(values.T if transpose else values)
+
+        return place
+
+    targets = {}
+    for half, cut in halves.items():
+        pick = (slice(None), cut) if transposed else cut
+        targets[f"ffn_{half}_exps.weight"] = ((inter, hidden), into(gate_up, pick, transposed))
+        if geo.has_bias:
+            targets[f"ffn_{half}_exps.bias"] = ((inter,), into(seg["gate_up_proj_bias"], cut))
+    targets["ffn_down_exps.weight"] = ((hidden, inter), into(down, transpose=transposed))
+    if geo.has_bias:
+        targets["ffn_down_exps.bias"] = ((hidden,), into(seg["down_proj_bias"]))
+    return targets
+
+
 def _expert_codecs(ck: GgufCheckpoint, store_layers, moe_blocks: list[int]):
-    """Per MoE layer, the :class:`RowCodec` of one expert (gate, up, down as the file stores them)
-    and the reader of each part's bytes for every expert of the layer."""
+    """Per MoE layer, the :class:`RowCodec` of one expert (every expert tensor of the block as the
+    file stores it: gate, up, down and, for gpt-oss, their biases) and the reader of each part's
+    bytes for every expert of the layer."""
     from moetray.engine.experts.codecs import Part, RowCodec, ggml_decoder, ggml_type_name
     from moetray.engine.experts.store import ExpertStoreError
 
     codecs, sources = [], []
     for layer, block in zip(store_layers, moe_blocks, strict=True):
         geo = layer.geometry
-        if geo.is_transposed or not geo.has_gate or geo.has_bias or not geo.is_concatenated:
+        if not geo.has_gate:
             raise ExpertStoreError(
-                "unsupported_layout",
-                f"{layer.module_name}: only gated, untransposed, unbiased experts are mapped from GGUF",
+                "unsupported_layout", f"{layer.module_name}: only gated experts are mapped from GGUF"
             )
-        gate_up = next(s for s in geo.segments if s.name == "gate_up_proj")
-        down = next(s for s in geo.segments if s.name == "down_proj")
-        inter, hidden = gate_up.shape[0] // 2, gate_up.shape[1]
-        targets = {
-            "ffn_gate_exps": (gate_up.offset, (inter, hidden)),
-            "ffn_up_exps": (gate_up.offset + inter * hidden, (inter, hidden)),
-            "ffn_down_exps": (down.offset, down.shape),
-        }
         parts, layer_sources, src = [], [], 0
-        for stem in _EXPERT_PARTS:
-            t = ck.tensors.get(f"blk.{block}.{stem}.weight")
-            dest, shape = targets[stem]
+        for stem, (shape, place) in _expert_targets(geo).items():
+            t = ck.tensors.get(f"blk.{block}.{stem}")
             if t is None or tuple(t.shape) != (layer.num_experts, *shape):
                 got = None if t is None else tuple(t.shape)
                 raise ExpertStoreError(
@@ -404,11 +435,6 @@ def _expert_codecs(ck: GgufCheckpoint, store_layers, moe_blocks: list[int]):
                     f"blk.{block}.{stem}: {got} in the file, expected {(layer.num_experts, *shape)}",
                 )
             decode, nbytes = ggml_decoder(t.ggml_type, shape)
-            numel = int(np.prod(shape))
-
-            def place(out, values, dest=dest, numel=numel, shape=shape):
-                out[dest : dest + numel].view(shape).copy_(values)
-
             parts.append(Part(src, nbytes, decode, place, ggml_type_name(t.ggml_type)))
             layer_sources.append((t, nbytes))
             src += nbytes
@@ -474,7 +500,12 @@ def load_gguf(
 
 
 def load_gguf_tokenizer(ck: GgufCheckpoint):
-    """The tokenizer and chat template from the metadata, converted by transformers."""
-    from transformers import AutoTokenizer
+    """The tokenizer and chat template from the metadata, converted by transformers.
 
-    return AutoTokenizer.from_pretrained(ck.path.parent, gguf_file=ck.path.name)
+    gpt-oss has no tokenizer class of its own, so the fast tokenizer (the one ``AutoTokenizer``
+    picks) is asked directly: ``AutoTokenizer`` first reads a gpt-oss file's config through
+    transformers' legacy mapping, which fails on the ``rope.scaling.*`` keys llama.cpp writes."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    loader = PreTrainedTokenizerFast if ck.arch == "gpt-oss" else AutoTokenizer
+    return loader.from_pretrained(ck.path.parent, gguf_file=ck.path.name)

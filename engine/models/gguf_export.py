@@ -9,8 +9,11 @@ BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4); Q4_K, which it can only read, is enc
 Tensor names and metadata keys are the converter's: ``blk.N.ffn_{gate,up,down}_exps`` stacks, the
 shared expert's ``ffn_*_shexp`` and its 1-D gate ``ffn_gate_inp_shexp``, ``{arch}.expert_count``,
 ``expert_feed_forward_length``, ``expert_shared_feed_forward_length``, ``tokenizer.ggml.*``,
-``tokenizer.chat_template``; llama (Mixtral) files permute Q and K for llama.cpp's rope. Routers
-and 1-D tensors stay F32, as ``llama-quantize`` leaves them.
+``tokenizer.chat_template``; llama (Mixtral) files permute Q and K for llama.cpp's rope. gpt-oss
+files (``GptOssModel``'s names): the interleaved, transposed ``gate_up_proj`` split into gate and up
+stacks with their ``.bias`` stacks, ``attn_sinks.weight``, the router's ``ffn_gate_inp.bias``,
+``post_attention_norm``, ``attention.sliding_window`` and YaRN's ``rope.scaling.*``. Routers, biases
+and 1-D tensors stay F32, as the converter and ``llama-quantize`` leave them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ import torch
 
 __all__ = ["ARCH_BY_MODEL_TYPE", "encode_q4_k", "export_gguf"]
 
-ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+ARCH_BY_MODEL_TYPE = {
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+    "gpt_oss": "gpt-oss",
+}
 """The GGUF architecture llama.cpp's converter writes for each transformers model type."""
 
 Blocks = Callable[[str, tuple[int, ...], int], np.ndarray]
@@ -63,8 +71,8 @@ def _encode(name: str, array: np.ndarray, qtype, blocks: Blocks | None) -> tuple
     from gguf import GGML_QUANT_SIZES, quants
     from gguf import GGMLQuantizationType as Q
 
-    if array.ndim < 2 or name.endswith("ffn_gate_inp.weight"):
-        return array.astype(np.float32), Q.F32
+    if array.ndim < 2 or name.endswith("ffn_gate_inp.weight") or not name.endswith(".weight"):
+        return array.astype(np.float32), Q.F32  # the converter keeps routers and biases F32
     elems, _ = GGML_QUANT_SIZES[qtype]
     if array.shape[-1] % elems:
         # llama.cpp's fallback for rows a block does not divide: Q8_0 where it can, else F16.
@@ -97,16 +105,20 @@ def _tensors(model, config, arch: str):
     """``(gguf name, float32 array)`` for every tensor of ``model``, in the converter's names."""
     import gguf
 
+    from moetray.engine.models.gguf import GGUF_ARCH
+
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     names = gguf.get_tensor_name_map(
-        gguf.MODEL_ARCH[{"qwen2moe": "QWEN2MOE", "qwen3moe": "QWEN3MOE", "llama": "LLAMA"}[arch]],
-        config.num_hidden_layers,
+        gguf.MODEL_ARCH[GGUF_ARCH[arch]], config.num_hidden_layers
     )
     out: list[tuple[str, np.ndarray]] = []
     for key, value in sd.items():
         if config.tie_word_embeddings and key == "lm_head.weight":
             continue
         base, _, suffix = key.rpartition(".")
+        if base.endswith(".experts") and arch == "gpt-oss":
+            out.extend(_gpt_oss_expert_tensors(base.split(".")[2], suffix, value))
+            continue
         if base.endswith(".experts"):
             layer = base.split(".")[2]
             if suffix == "gate_up_proj":
@@ -118,7 +130,8 @@ def _tensors(model, config, arch: str):
             else:
                 raise ValueError(f"no GGUF name for {key}")
             continue
-        name = names.get_name(base)
+        whole = names.get_name(key)  # a bare parameter (gpt-oss's attention sinks) → NAME.weight
+        name, suffix = (whole, "weight") if whole is not None else (names.get_name(base), suffix)
         if name is None:
             raise ValueError(f"no GGUF name for {key}")
         if name.endswith("ffn_gate_inp_shexp"):
@@ -129,6 +142,44 @@ def _tensors(model, config, arch: str):
             value = _permute(value, config.num_attention_heads, config.num_key_value_heads)
         out.append((f"{name}.{suffix}", value))
     return out
+
+
+def _gpt_oss_expert_tensors(layer: str, param: str, value: np.ndarray):
+    """gpt-oss's expert stacks as the converter splits them: ``gate_up_proj`` ``[E, H, 2I]`` holds
+    gate and up interleaved along its last dim (gate even, up odd) and is stored transposed, so
+    ``ffn_gate_exps``/``ffn_up_exps`` are ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]``; each
+    has its ``.bias`` (``[E, I]`` / ``[E, H]``)."""
+    stem = f"blk.{layer}"
+    if param == "gate_up_proj":
+        rows = value.transpose(0, 2, 1)
+        return [
+            (f"{stem}.ffn_gate_exps.weight", rows[:, 0::2]),
+            (f"{stem}.ffn_up_exps.weight", rows[:, 1::2]),
+        ]
+    if param == "gate_up_proj_bias":
+        return [(f"{stem}.ffn_gate_exps.bias", value[:, 0::2]), (f"{stem}.ffn_up_exps.bias", value[:, 1::2])]
+    if param == "down_proj":
+        return [(f"{stem}.ffn_down_exps.weight", value.transpose(0, 2, 1))]
+    if param == "down_proj_bias":
+        return [(f"{stem}.ffn_down_exps.bias", value)]
+    raise ValueError(f"no GGUF name for experts parameter {param}")
+
+
+def _write_rope_scaling(writer, rope: dict) -> None:
+    """YaRN as the converter writes it: type, factor, original context, and the betas it names."""
+    from gguf import RopeScalingType
+
+    if rope.get("rope_type") != "yarn" or rope.get("factor") is None:
+        return
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    if rope.get("attention_factor") is not None:
+        writer.add_rope_scaling_yarn_attn_factor(float(rope["attention_factor"]))
+    if rope.get("beta_fast") is not None:
+        writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+    if rope.get("beta_slow") is not None:
+        writer.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
 
 
 def _write_metadata(writer, config, arch: str, tokenizer, file_type: int) -> None:
@@ -149,6 +200,14 @@ def _write_metadata(writer, config, arch: str, tokenizer, file_type: int) -> Non
         writer.add_expert_count(text.num_local_experts)
         writer.add_rope_dimension_count(text.hidden_size // text.num_attention_heads)
         writer.add_vocab_size(text.vocab_size)
+    elif arch == "gpt-oss":
+        writer.add_feed_forward_length(text.intermediate_size)
+        writer.add_expert_count(text.num_local_experts)
+        writer.add_expert_feed_forward_length(text.intermediate_size)
+        writer.add_key_length(text.head_dim)
+        writer.add_value_length(text.head_dim)
+        writer.add_sliding_window(text.sliding_window)
+        _write_rope_scaling(writer, text.rope_parameters or {})
     else:
         writer.add_feed_forward_length(text.intermediate_size)
         writer.add_expert_count(text.num_experts)
@@ -200,6 +259,18 @@ def _write_tokenizer(writer, tokenizer, text, arch: str) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
+def _check_gpt_oss_writable(config) -> None:
+    """A gpt-oss model llama.cpp's graph computes as transformers does: its SwiGLU constants, and
+    sliding and full attention alternating from a sliding layer 0 (llama.cpp's fixed pattern)."""
+    from moetray.engine.models.gguf import GPT_OSS_SWIGLU, gpt_oss_layer_types
+
+    for field, value in GPT_OSS_SWIGLU.items():
+        if getattr(config, field) != value:
+            raise ValueError(f"gpt-oss {field}={getattr(config, field)}: GGUF files assume {value}")
+    if list(config.layer_types) != gpt_oss_layer_types(config.num_hidden_layers):
+        raise ValueError("gpt-oss layer_types must alternate sliding/full from layer 0 to be written as GGUF")
+
+
 def export_gguf(
     model_dir: str | Path,
     dest: str | Path,
@@ -228,6 +299,8 @@ def export_gguf(
     arch = ARCH_BY_MODEL_TYPE.get(config.model_type)
     if arch is None:
         raise ValueError(f"no GGUF export for model type {config.model_type!r}")
+    if arch == "gpt-oss":
+        _check_gpt_oss_writable(config)
     type_of = qtype if callable(qtype) else (lambda name: qtype)
     tensors = _tensors(model, config, arch)
     if output_weight and config.tie_word_embeddings:

@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from moetray.engine.models.checkpoint import CheckpointError
+from moetray.engine.models.files import CheckpointError
 
 __all__ = [
     "DEMO",

@@ -8,6 +8,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -121,6 +123,35 @@ def test_every_store_is_listed_by_name_with_its_refusal(home):
     assert rows["lmstudio:pub/tiny-GGUF/cut-Q8_0.gguf"]["refusal"] == "unreadable_checkpoint"
     assert rows["ollama:tiny:q8"]["path"] == str(home["blob"]) and rows["ollama:tiny:q8"]["servable"]
     assert rows["ollama:gone:latest"]["refusal"] == "unreadable_checkpoint"
+
+
+_LIST_IN_A_FRESH_PROCESS = (
+    "import json, sys\n"
+    "from moetray.engine.models.discovery import list_models\n"
+    "rows = list_models({'HOME': sys.argv[1]})\n"
+    "print(json.dumps([rows, sorted(m for m in ('torch', 'transformers') if m in sys.modules)]))\n"
+)
+
+
+def test_a_warm_listing_reads_no_header_and_a_changed_file_is_read_again(home):
+    """The header cache: a second listing in a fresh process gives the same rows without importing
+    torch or transformers (a header read needs both), and a file changed in place is read again."""
+    env = home["env"]
+    first = list_models(env)
+    done = subprocess.run(
+        [sys.executable, "-c", _LIST_IN_A_FRESH_PROCESS, env["HOME"]],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    rows, heavy = json.loads(done.stdout)
+    assert rows == first
+    assert heavy == [], f"a warm listing imported {heavy}"
+    gguf = home["lms"] / "tiny-Q8_0.gguf"
+    gguf.write_bytes(gguf.read_bytes()[:-4096])
+    again = {r["name"]: r for r in list_models(env)}
+    assert again["lmstudio:pub/tiny-GGUF/tiny-Q8_0.gguf"]["refusal"] == "unreadable_checkpoint"
 
 
 def test_listed_names_resolve_to_the_files_in_place(home):
