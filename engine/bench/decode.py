@@ -175,14 +175,21 @@ def bd_routed(target: ServedEngine) -> int:
 # --- correctness of the reduced-precision formats ----------------------------------------------
 
 
-def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512,
-                     chat_tokens: int = 32) -> dict[str, Any]:
-    """Each format against float32: teacher-forced logits on held-out text, greedy chat answers."""
+def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512, chat_tokens: int = 32,
+                     q8_file: Path | None = None) -> dict[str, Any]:
+    """Each format against float32: teacher-forced logits on held-out text, greedy chat answers;
+    with ``q8_file`` (the model exported as Q8_0 GGUF) that file served under ``--dtype int8`` too."""
     import torch
 
     from moetray.engine.bench.demo_quality import CHAT_PROMPTS, heldout_ids
     from moetray.engine.experts import load_offloaded_model
-    from moetray.engine.models.checkpoint import apply_top_k, inspect_checkpoint, load_tokenizer
+    from moetray.engine.models.checkpoint import (
+        apply_top_k,
+        inspect_checkpoint,
+        load_checkpoint,
+        load_tokenizer,
+        serving_format,
+    )
     from moetray.engine.models.precision import apply_format, resolve_format, torch_dtype
 
     tokenizer = load_tokenizer(model_dir)
@@ -201,6 +208,11 @@ def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512,
         if top_k:
             apply_top_k(off.model, off.runtime, top_k)
         return off.model
+
+    def load_file(path: Path):
+        info = inspect_checkpoint(path)
+        return load_checkpoint(info, device=cpu, fmt=serving_format("int8", info, cpu), capacity=every,
+                               top_k=top_k or info.top_k, progress=lambda *_: None).model
 
     def logits(model) -> torch.Tensor:
         with torch.no_grad():
@@ -222,10 +234,11 @@ def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512,
     del reference
     report: dict[str, Any] = {"heldout_tokens": len(ids), "chat_prompts": len(CHAT_PROMPTS),
                               "chat_tokens": chat_tokens, "formats": {}}
-    for fmt in formats:
-        if fmt == "float32":
-            continue
-        model = load(fmt)
+    candidates = {fmt: (lambda fmt=fmt: load(fmt)) for fmt in formats if fmt != "float32"}
+    if q8_file is not None:
+        candidates[Q8_FILE] = lambda: load_file(q8_file)
+    for fmt, make in candidates.items():
+        model = make()
         got, answers = logits(model), greedy(model)
         del model
         diff = (got - ref_logits).abs()
@@ -356,7 +369,8 @@ def main(argv: list[str]) -> int:
         for server in llamas:
             server.stop()
 
-    quality = None if args.no_quality else precision_report(model_dir, formats)
+    quality = None if args.no_quality else precision_report(
+        model_dir, formats, q8_file=q8_file if Q8_FILE in engines else None)
     results = summarize(rows, targets=[label for label, _ in targets], batches=batches, bandwidth=bw,
                         dense=dense, expert_bytes=expert_bytes)
     table, notes = render(results, peers=[p["label"] for p in peers], quality=quality, bandwidth=bw,
