@@ -377,6 +377,7 @@ def main(argv: list[str]) -> int:
                           dtypes=dtypes, argv=argv)
     met = goals(results, served_auto)
     load_after = os.getloadavg()[0]
+    notes.insert(0, cpu_per_token_note(results))
     notes.insert(0, f"Load average (1 min) on this {os.cpu_count()}-core machine: {load_before:.1f} at the "
                  f"start, {load_after:.1f} at the end; above the core count, wall-clock tok/s is shared "
                  "with other processes and server CPU ms / token is the steadier comparison.")
@@ -559,6 +560,23 @@ def goals(summary: list[dict[str, Any]], served: str | None) -> dict[str, Any]:
     out["rss_le_1.3x"] = {"ratio": None, "met": None,
                           "note": "not measured here (engines share this process): see `moetray bench peer`"}
     return out
+
+
+def cpu_per_token_note(summary: list[dict[str, Any]]) -> str:
+    """Server CPU ms per token, moetray over llama.cpp at equal bytes per weight, per batch: the
+    cost of a token with other processes' load taken out of the clock (below 1: moetray spends less)."""
+    parts = []
+    for ours, theirs in EQUAL_BYTES.items():
+        for e in summary:
+            if e["label"] != ours:
+                continue
+            base = next((b for b in summary if b["label"] == theirs and b["batch"] == e["batch"]), None)
+            theirs_ms = None if base is None else base["server_cpu_ms_per_token"]
+            r = _ratio(e["server_cpu_ms_per_token"], theirs_ms)
+            if r is not None:
+                parts.append(f"{ours} / {theirs} b{e['batch']} {r:.2f}")
+    return ("Server CPU ms per token, moetray ÷ llama.cpp at equal bytes per weight (below 1: moetray "
+            "spends less CPU per token): " + ("; ".join(parts) if parts else "not measured") + ".")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
