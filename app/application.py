@@ -20,10 +20,10 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtGui import QGuiApplication
@@ -35,10 +35,13 @@ from moetray.app.link import EngineLink
 from moetray.app.settings import DEMO_MODEL, Settings
 from moetray.app.supervisor import EngineSupervisor, LaunchRefused, LaunchSpec, Phase, prepare_launch
 from moetray.app.tray import TrayController, TraySnapshot, populate_model_menu
-from moetray.policy.footprint import ProbeCache, probe_footprint
+from moetray.policy.footprint import Footprint, ProbeCache, probe_footprint
 from moetray.ui.dashboard_model import DashboardModel
 from moetray.ui.pools_model import ApplyRefused
 from moetray.ui.viewmodels import EngineState, FootprintView, rebuild_outcome
+
+if TYPE_CHECKING:
+    from moetray.ui.dashboard import DashboardWindow
 
 log = logging.getLogger("moetray.app")
 
@@ -78,7 +81,7 @@ class MoetrayApp(QObject):
         self.model = DashboardModel()
         self.supervisor = supervisor or EngineSupervisor()
         self.link = EngineLink()
-        self.window = None  # the DashboardWindow, built on first open
+        self.window: DashboardWindow | None = None  # built on first open
         self.tray: TrayController | None = None
         self.attached_client: EngineClient | None = None
         self.gate_state: str | None = None
@@ -86,7 +89,7 @@ class MoetrayApp(QObject):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._shutdown_started = False
         # Reading our own smaps_rollup costs ~10 ms (Qt maps many libraries): once per 10 s.
-        self._tray_probe = ProbeCache(10.0, time.monotonic)
+        self._tray_probe: ProbeCache[Footprint | None] = ProbeCache(10.0, time.monotonic)
         self._model_menu: QMenu | None = None
 
     # -- wiring ----------------------------------------------------------------------
@@ -211,7 +214,7 @@ class MoetrayApp(QObject):
         self.model.engine.apply_health(body)
         self._recompute_state()
 
-    def _on_snapshot(self, snap: dict) -> None:
+    def _on_snapshot(self, snap: Mapping[str, Any]) -> None:
         self.gate_state = snap.get("state") or self.gate_state
         self._measure_tray()
         self.model.apply_snapshot(snap, time.monotonic())
@@ -344,9 +347,8 @@ class MoetrayApp(QObject):
         return url
 
     def open_dashboard(self) -> None:
-        if self.window is None:
-            self._build_window()
-        self.window.raise_window()
+        window = self.window if self.window is not None else self._build_window()
+        window.raise_window()
 
     def quit(self) -> None:
         """Ask the bootstrap to shut down (Quit, last window, SIGTERM and Ctrl-C all land here)."""
@@ -365,7 +367,8 @@ class MoetrayApp(QObject):
             pools.finish_apply(rebuild_outcome(None, {"message": "No engine is running."}))
             return
         try:
-            status, body = await client.rebuild(moe_slots=target.moe_slots, kv_tokens=target.kv_tokens)
+            status, body = await client.rebuild(moe_slots=target.moe_slots, kv_tokens=target.kv_tokens,
+                                                state_slots=target.state_slots)
             outcome = rebuild_outcome(status, body)
         except EngineError as exc:
             outcome = rebuild_outcome(None, {"message": exc.message})
@@ -428,7 +431,7 @@ class MoetrayApp(QObject):
 
     # -- window ------------------------------------------------------------------------
 
-    def _build_window(self) -> None:
+    def _build_window(self) -> DashboardWindow:
         from moetray.ui.dashboard import DashboardWindow
 
         window = DashboardWindow(self.model)
@@ -449,6 +452,7 @@ class MoetrayApp(QObject):
         self._model_menu = menu
         self.window = window
         self._refresh_settings_view()
+        return window
 
     def _refresh_settings_view(self) -> None:
         if self.window is not None:

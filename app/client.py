@@ -19,21 +19,24 @@ from typing import Any
 import httpx
 
 from moetray.policy import wire
+from moetray.policy.refused import Refused
 
 CLIENT_KINDS = ("unreachable", "timeout", "bad_reply")
 """Refusal kinds the client itself raises (the engine never sends them)."""
 
 
-class EngineError(Exception):
+class EngineError(Refused):
     """A route refused or could not be reached; ``kind`` says which kind of no."""
+
+    message: str
+    status: int | None  # the HTTP status; None when no reply came
+    body: dict[str, Any] | None  # the error body as sent, when there was one
 
     def __init__(self, kind: str, message: str, *, status: int | None = None,
                  body: Mapping[str, Any] | None = None) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-        self.message = message
-        self.status = status
-        self.body = dict(body) if body is not None else None
+        super().__init__(kind, f"{kind}: {message}", status=status,
+                         body=dict(body) if body is not None else None)
+        self.message = message  # without the kind (``str(self)`` carries both)
 
     @property
     def retry(self) -> str:
@@ -171,14 +174,14 @@ class EngineClient:
         raise EngineError("unreachable", "the engine closed the event stream")
 
     async def rebuild(self, *, moe_slots: int | None = None, kv_tokens: int | None = None,
-                      timeout_s: float = 120.0) -> tuple[int, Any]:
+                      state_slots: int | None = None, timeout_s: float = 120.0) -> tuple[int, Any]:
         """``POST /admin/cache/rebuild``; returns ``(status, body)`` whatever the outcome.
 
         A rebuild's refusals are outcomes the dashboard shows verbatim, so a 4xx/5xx reply
         is returned, not raised; only a missing reply raises :class:`EngineError`.
         """
-        payload = {k: v for k, v in (("moe_slots", moe_slots), ("kv_tokens", kv_tokens))
-                   if v is not None}
+        named = (("moe_slots", moe_slots), ("kv_tokens", kv_tokens), ("state_slots", state_slots))
+        payload = {k: v for k, v in named if v is not None}
         return await self._call("rebuild", json_body=payload, timeout_s=timeout_s, accept_error=True)
 
     async def requests(self) -> list[wire.ActiveRequest]:

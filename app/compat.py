@@ -93,6 +93,6 @@ def detach_loop(loop: asyncio.AbstractEventLoop) -> None:
     # loop.stop() would call QApplication.exit(): with no exec() running that leaves Qt's
     # "quit now" flag set, and every later QEventLoop.exec() (pytest-qt's waits) returns at
     # once without processing events. Mark the loop stopped without it.
-    loop._QEventLoop__is_running = False
+    loop._QEventLoop__is_running = False  # type: ignore[attr-defined]  # qasync's own flag, as above
     asyncio.events._set_running_loop(None)
     loop.close()

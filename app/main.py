@@ -155,7 +155,8 @@ def run_tray(argv: list[str]) -> int:
     from moetray.app.single_instance import SHOW, SingleInstance, server_name
     from moetray.ui.icons import app_icon
 
-    qapp = QApplication.instance() or QApplication(sys.argv[:1])
+    existing = QApplication.instance()
+    qapp = existing if isinstance(existing, QApplication) else QApplication(sys.argv[:1])
     qapp.setApplicationName("moetray")
     qapp.setOrganizationName("moetray")
     qapp.setDesktopFileName(APP_ID)

@@ -8,7 +8,9 @@ list comes back as a bare string.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 from PySide6.QtCore import QSettings
 
@@ -50,7 +52,7 @@ class Settings:
             return []
         if isinstance(value, str):
             return [value]
-        return [str(v) for v in value if v]
+        return [str(v) for v in cast(Iterable[object], value) if v]
 
     def remember_model(self, folder: str) -> list[str]:
         """Put ``folder`` first in the recent list (deduplicated, at most :data:`RECENT_MAX`).
@@ -75,7 +77,7 @@ class Settings:
     @property
     def port(self) -> int:
         """The engine's port; 0 picks a free loopback port at each start."""
-        return self._s.value("engine/port", 0, type=int)
+        return cast(int, self._s.value("engine/port", 0, type=int))
 
     @port.setter
     def port(self, value: int) -> None:
@@ -92,7 +94,7 @@ class Settings:
     @property
     def serve_on_start(self) -> bool:
         """Start serving the last model as soon as the tray starts."""
-        return self._s.value("engine/serve_on_start", False, type=bool)
+        return cast(bool, self._s.value("engine/serve_on_start", False, type=bool))
 
     @serve_on_start.setter
     def serve_on_start(self, value: bool) -> None:
@@ -106,7 +108,7 @@ class Settings:
             return []
         if isinstance(value, str):
             return shlex.split(value)
-        return [str(v) for v in value]
+        return [str(v) for v in cast(Iterable[object], value)]
 
     @engine_args.setter
     def engine_args(self, args: list[str]) -> None:

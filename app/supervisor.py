@@ -38,17 +38,20 @@ from PySide6.QtCore import QObject, Signal
 
 from moetray.app.client import EngineClient, EngineError
 from moetray.policy import wire
+from moetray.policy.refused import Refused
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 LAUNCH_KINDS = ("no_such_model", "not_a_checkpoint", "port_in_use", "not_loopback", "already_running")
 
 
-class LaunchRefused(Exception):
+class LaunchRefused(Refused):
     """The engine cannot be started as asked; raised before any process exists."""
 
+    KINDS = LAUNCH_KINDS
+    message: str
+
     def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
+        super().__init__(kind, message)
         self.message = message
 
 

@@ -48,7 +48,7 @@ class TrayActions(Protocol):
     def toggle_serving(self) -> None: ...
     def choose_model(self, folder: str) -> None: ...
     def open_model_folder(self) -> None: ...
-    def copy_api_url(self) -> None: ...
+    def copy_api_url(self) -> object: ...  # what it returns (the URL copied) is not read here
     def quit(self) -> None: ...
 
 
@@ -120,8 +120,9 @@ def menu_texts(menu: QMenu) -> list[str | list[str]]:
         if action.isSeparator():
             continue
         out.append(action.text())
-        if action.menu() is not None:
-            out.append([a.text() for a in action.menu().actions() if not a.isSeparator()])
+        sub = action.menu()
+        if isinstance(sub, QMenu):
+            out.append([a.text() for a in sub.actions() if not a.isSeparator()])
     return out
 
 

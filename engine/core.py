@@ -61,6 +61,7 @@ class EngineOptions:
     dtype: str = "auto"
     moe_capacity: int | None = None  # expert slots; None: planned from the budget
     kv_tokens: int | None = None  # None: planned from the budget
+    state_slots: int | None = None  # recurrent-state slots (hybrid models); None: planned from the budget
     budget_bytes: int | None = None  # CPU: the device tier's budget; CUDA: overrides the measurement
     memory_ratio: float = DEFAULT_MEMORY_RATIO
     kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS
@@ -212,7 +213,7 @@ class Engine:
 
     def health(self) -> wire.Health:
         busy = lambda: not self.requests.activity().is_idle()  # noqa: E731
-        return health(self.gate.state.value, self.loading, self.served, self._runner(), busy)
+        return health(self.gate.state.wire_name, self.loading, self.served, self._runner(), busy)
 
     def model_info(self) -> dict[str, Any] | None:
         return model_info(self.served, self.pools)
@@ -220,7 +221,7 @@ class Engine:
     def snapshot(self) -> dict[str, Any]:
         """``policy.wire.StatusSnapshot`` (see ``status.snapshot``)."""
         return snapshot(
-            state=self.gate.state.value,
+            state=self.gate.state.wire_name,
             load=self.loading,
             uptime_s=self.uptime_s(),
             served=self.served,

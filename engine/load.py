@@ -3,7 +3,8 @@
 :func:`load_model` reads the checkpoint (or builds the embedded demo model), decides the
 prefix policy, device, dtype and top-k, loads the weights with the experts offloaded,
 measures the device budget once, prices the pools (``pools.price_pools``), plans the
-start-up split (``PoolBudget.plan``, a pinned ``--moe-capacity`` / ``--kv-tokens`` kept),
+start-up split (``PoolBudget.plan``, a pinned ``--moe-capacity`` / ``--kv-tokens`` /
+``--state-slots`` kept),
 probes the chat template and opens the pools. ``LoadState`` is what ``/health`` says
 meanwhile: the stage, and the reason when loading failed.
 
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetray.engine.cb import choose_prefix_policy
 from moetray.engine.pools import Pools, RunnerSettings, price_pools
+from moetray.policy import wire
 from moetray.policy.pool_budget import RebuildRequest, reserve_pages
 
 if TYPE_CHECKING:
@@ -35,7 +37,7 @@ class LoadState:
     """Where loading stands, for ``/health``: the stage with its progress, and why it failed."""
 
     def __init__(self) -> None:
-        self.progress: dict[str, Any] | None = {"stage": "starting", "done": 0, "total": None}
+        self.progress: wire.LoadProgress | None = {"stage": "starting", "done": 0, "total": None}
         self.error: str | None = None
         self.error_kind: str | None = None  # the refusal's kind when loading was refused by name
 
@@ -120,7 +122,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     )
     runtime = loaded.runtime
     dtype = loaded.dtype  # activations and the KV cache
-    if device.type == "cuda":
+    if baseline_free is not None:  # a CUDA device, measured before the weights went in
         measured = cuda_budget(
             device,
             baseline_free=baseline_free,
@@ -142,15 +144,19 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     pinned = RebuildRequest(
         moe_slots=opts.moe_capacity,
         kv_pages=None if opts.kv_tokens is None else reserve_pages(opts.kv_tokens, opts.page_size),
+        state_slots=opts.state_slots,
     )
     sizes = budget.plan(opts.kv_reserve_tokens, pinned=pinned)
     log.info(
-        "pool split: %d expert slots (%d B each), %d KV pages of %d tokens (%d B each); budget %d B (%s)",
+        "pool split: %d expert slots (%d B each), %d KV pages of %d tokens (%d B each), "
+        "%d state slots (%d B each); budget %d B (%s)",
         sizes.moe_slots,
         budget.bytes_per_slot,
         sizes.kv_pages,
         opts.page_size,
         budget.bytes_per_page,
+        sizes.state_slots,
+        budget.bytes_per_state_slot,
         budget.budget_bytes,
         measured.source,
     )

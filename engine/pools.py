@@ -1,4 +1,4 @@
-"""The device pools: the expert slot pool, the KV pool, and the budget that splits memory between them.
+"""The device pools: experts, KV, a hybrid's recurrent state, and the budget that splits memory among them.
 
 ``Pools`` owns the experts runtime (its slot pool holds the resident experts), the batch
 runner (transformers' continuous batching, whose paged cache is the KV pool) and the
@@ -8,9 +8,10 @@ the ``/admin/status`` ``pools`` payload (``PoolBudget.to_wire``) come from that 
 
 Pools are named as ``RebuildRequest.touched()`` names them. ``"moe"`` is resized in place,
 between two steps of the paused batch loop, keeping the hottest experts. The pools in
-:data:`RUNNER_POOLS` live inside the batch runner and are re-created with it: ``"kv"`` today;
-the recurrent-state slots of hybrid models join them (a new ``PoolSizes`` field priced by
-``PoolBudget``, allocated by the runner beside the KV pool).
+:data:`RUNNER_POOLS` live inside the batch runner and are re-created with it: ``"kv"`` and,
+on hybrid models, ``"state"`` (``PoolSizes.state_slots``, priced by ``PoolBudget`` from
+``engine.cb.state.StateGeometry``, allocated by the runner beside the KV pool: one slot of conv and recurrent
+states per linear-attention layer for each running request or kept snapshot).
 
 The re-split's destructive step (:meth:`Pools.resize`) and its rollback
 (:meth:`Pools.restore`) are the two callables ``policy.rebuild.RebuildTxn`` runs; the live
@@ -32,13 +33,20 @@ from typing import Any
 
 from moetray.engine.budget import ContextCeiling, DeviceBudget
 from moetray.engine.cb import BatchRunner, RunnerConfig, kv_bytes_per_page, kv_overhead_bytes
-from moetray.policy.pool_budget import PoolBudget, PoolFloors, PoolSizes, RebuildRequest, reserve_pages
+from moetray.engine.cb.state import StateGeometry
+from moetray.policy.pool_budget import (
+    MIN_STATE_SLOTS,
+    PoolBudget,
+    PoolFloors,
+    PoolSizes,
+    RebuildRequest,
+    reserve_pages,
+)
+from moetray.policy.rebuild import RUNNER_POOLS
 
 log = logging.getLogger("moetray.engine.pools")
 
-RUNNER_POOLS = frozenset({"kv"})
-"""Pools that live inside the batch runner: changing one stops the runner and builds a new one
-(its prefix cache goes with it). Every other pool is resized in place with the loop paused."""
+__all__ = ["RUNNER_POOLS", "AllocationFailed", "Pools", "RunnerSettings", "price_pools"]
 
 
 class AllocationFailed(RuntimeError):
@@ -47,7 +55,7 @@ class AllocationFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class RunnerSettings:
-    """What every batch runner of this engine shares; only the KV pool's size differs between them."""
+    """What every batch runner of this engine shares; only the KV and state pools' sizes differ."""
 
     page_size: int
     max_batch_tokens: int
@@ -57,9 +65,10 @@ class RunnerSettings:
     anchor_token: int | None
     step_delay_s: float = 0.0
 
-    def config(self, kv_pages: int) -> RunnerConfig:
+    def config(self, kv_pages: int, state_slots: int = 0) -> RunnerConfig:
         return RunnerConfig(
             kv_pages=kv_pages,
+            state_slots=state_slots,
             page_size=self.page_size,
             max_batch_tokens=self.max_batch_tokens,
             max_requests_per_batch=self.max_requests_per_batch,
@@ -77,8 +86,12 @@ def price_pools(
 
     The MoE floor is one layer of experts; the KV floor holds one full batch of tokens plus
     a page. A KV page costs its keys and values over every layer plus what the substrate
-    spends per page beside them; what it spends regardless of size is ``fixed_bytes``.
+    spends per page beside them; what it spends regardless of size is ``fixed_bytes``. A
+    hybrid model (linear-attention layers) gets a state pool: one slot costs its conv and
+    recurrent states over every linear layer, its floor is ``MIN_STATE_SLOTS``; any other
+    model has none (``floors.state_slots`` is ``None``).
     """
+    geometry = StateGeometry.from_config(model_config, dtype)
     kv_page = kv_bytes_per_page(model_config, page_size=page_size, dtype=dtype)
     overhead_page, fixed = kv_overhead_bytes(
         model_config, page_size=page_size, dtype=dtype, max_batch_tokens=max_batch_tokens
@@ -89,19 +102,22 @@ def price_pools(
         bytes_per_page=kv_page + overhead_page,
         page_size=page_size,
         floors=PoolFloors(
-            moe_slots=runtime.num_experts, kv_pages=reserve_pages(max_batch_tokens, page_size) + 1
+            moe_slots=runtime.num_experts,
+            kv_pages=reserve_pages(max_batch_tokens, page_size) + 1,
+            state_slots=None if geometry is None else MIN_STATE_SLOTS,
         ),
         max_moe_slots=runtime.num_layers * runtime.num_experts,
         fixed_bytes=fixed,
+        bytes_per_state_slot=0 if geometry is None else geometry.bytes_per_slot,
     )
 
 
 class Pools:
-    """One model's pools: the expert slot pool (``runtime``), the KV pool (``runner``) and their budget.
+    """One model's pools: the expert slot pool (``runtime``), the runner's KV and state pools, their budget.
 
     Built by the loader with the runtime already holding a floor of slots; :meth:`open`
-    gives both pools their start-up sizes. ``runner`` is ``None`` only while a KV re-split
-    has torn the old pool down (or after a failed restore latched the engine). ``ceiling``
+    gives every pool its start-up size. ``runner`` is ``None`` only while a runner-pool
+    re-split has torn the old pools down (or after a failed restore latched the engine). ``ceiling``
     is the context every request is held to, re-derived whenever a KV pool is built.
     Thread model: the request path reads ``runner`` on the server's loop; resizes run in the
     re-split's worker thread while the gate keeps requests out.
@@ -130,30 +146,38 @@ class Pools:
     # -- sizes -------------------------------------------------------------------------------
 
     def open(self, sizes: PoolSizes, progress: Callable[[str, int, int | None], None]) -> None:
-        """Give both pools their start-up sizes and start the batch loop."""
+        """Give every pool its start-up size and start the batch loop."""
         progress("sizing the expert slot pool", 0, 1)
         if sizes.moe_slots != self.runtime.capacity:
             self.runtime.resize(sizes.moe_slots)
-        progress("allocating the KV pool", 0, 1)
-        self.open_kv(sizes.kv_pages)
+        stage = "the KV and state pools" if self.budget.has_state_pool else "the KV pool"
+        progress(f"allocating {stage}", 0, 1)
+        self.open_kv(sizes.kv_pages, sizes.state_slots)
 
     def sizes(self) -> PoolSizes:
-        """What the pools hold now (KV pages 0 while no KV pool exists)."""
-        return PoolSizes(self.runtime.capacity, self.runner.kv_pages if self.runner is not None else 0)
+        """What the pools hold now (KV pages and state slots 0 while no runner exists)."""
+        runner = self.runner
+        if runner is None:
+            return PoolSizes(self.runtime.capacity, 0, 0)
+        return PoolSizes(self.runtime.capacity, runner.kv_pages, runner.state_slots)
 
     def validate(self, request: RebuildRequest, *, idle: bool) -> PoolSizes:
         """The sizes a re-split would land on (``PoolBudget.validate``); refuses with ``RebuildRejected``."""
         return self.budget.validate(request, self.sizes(), idle=idle)
 
     def to_wire(self) -> dict[str, object]:
-        """``policy.wire.PoolInfo``: ``PoolBudget.to_wire`` for the current sizes, KV use and live bytes."""
-        stats = self.runner.kv_stats() if self.runner is not None else None
+        """``policy.wire.PoolInfo``: ``PoolBudget.to_wire`` for the current sizes, pool use, live bytes."""
+        runner = self.runner
+        stats = runner.kv_stats() if runner is not None else None
+        states = runner.state_stats() if runner is not None else None
         return self.budget.to_wire(
             self.sizes(),
             kv_pages_used=stats.used if stats else None,
             kv_pages_evictable=stats.evictable if stats else None,
+            state_slots_used=states.used if states else None,
             live_moe_bytes=int(self.runtime.pool.rows.nbytes),
-            live_kv_bytes=self.runner.pool_bytes() if self.runner is not None else None,
+            live_kv_bytes=runner.pool_bytes() if runner is not None else None,
+            live_state_bytes=runner.state_pool_bytes() if runner is not None else None,
         )
 
     # -- the re-split's two callables ------------------------------------------------------------
@@ -174,12 +198,12 @@ class Pools:
             with self._paused():
                 self.runtime.resize(target.moe_slots, mark_teardown=mark_teardown)
             return self.sizes()
-        self.check_kv_growth(target.kv_pages)
+        self.check_kv_growth(target.kv_pages, target.state_slots)
         mark_teardown()
         self.close_kv()
         if "moe" in touched:
             self.runtime.resize(target.moe_slots)
-        self.open_kv(target.kv_pages)
+        self.open_kv(target.kv_pages, target.state_slots)
         return self.sizes()
 
     def restore(self, old: PoolSizes, touched: frozenset[str]) -> None:
@@ -189,13 +213,14 @@ class Pools:
                 self.runtime.resize(old.moe_slots)
         if touched & RUNNER_POOLS:
             self.close_kv()
-            self.open_kv(old.kv_pages)
+            self.open_kv(old.kv_pages, old.state_slots)
 
     # -- the batch runner (the runner pools) -----------------------------------------------------
 
-    def open_kv(self, kv_pages: int) -> None:
-        """Build and start a batch runner with ``kv_pages`` KV pages; re-derives the context ceiling."""
-        runner = BatchRunner(self.model, self.settings.config(kv_pages))
+    def open_kv(self, kv_pages: int, state_slots: int = 0) -> None:
+        """Build and start a batch runner with ``kv_pages`` KV pages (and, on a hybrid model,
+        ``state_slots`` state slots); re-derives the context ceiling."""
+        runner = BatchRunner(self.model, self.settings.config(kv_pages, state_slots))
         runner.start()
         self.runner = runner
         self.ceiling = ContextCeiling.for_model(
@@ -203,7 +228,7 @@ class Pools:
         )
 
     def close_kv(self) -> None:
-        """Stop the batch runner and free its pools (the KV pool and its prefix cache); idempotent."""
+        """Stop the batch runner and free its pools (KV, state, the prefix cache); idempotent."""
         runner, self.runner = self.runner, None
         if runner is None:
             return
@@ -211,16 +236,17 @@ class Pools:
         del runner
         gc.collect()
 
-    def check_kv_growth(self, kv_pages: int) -> None:
-        """Refuse, before teardown, a KV pool that cannot be allocated beside everything else.
+    def check_kv_growth(self, kv_pages: int, state_slots: int = 0) -> None:
+        """Refuse, before teardown, KV and state pools that cannot be allocated beside everything else.
 
-        The old pool is freed before the new one is made, so only the growth must fit in the
-        memory free right now (device memory on CUDA, available host RAM on the CPU tier).
+        The old pools are freed before the new ones are made, so only the growth must fit in
+        the memory free right now (device memory on CUDA, available host RAM on the CPU tier).
         Raises ``AllocationFailed``; mutates nothing.
         """
         if self.runner is None:
             return
         growth = (kv_pages - self.runner.kv_pages) * self.budget.bytes_per_page
+        growth += (state_slots - self.runner.state_slots) * self.budget.bytes_per_state_slot
         if growth <= 0:
             return
         if self.runtime.device.type == "cuda":
@@ -232,7 +258,7 @@ class Pools:
 
             free = int(psutil.virtual_memory().available)
         if growth > free:
-            raise AllocationFailed(f"the KV pool needs {growth} more bytes but only {free} are free")
+            raise AllocationFailed(f"the runner's pools need {growth} more bytes but only {free} are free")
 
     @contextmanager
     def _paused(self) -> Iterator[None]:
@@ -245,7 +271,7 @@ class Pools:
     # -- checks and shutdown ---------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise unless both pools' books balance (the KV ledger and the expert slot map)."""
+        """Raise unless every pool's books balance (the KV and state ledgers, the expert slot map)."""
         if self.runner is not None:
             self.runner.check_integrity()
         self.runtime.check_integrity()

@@ -1,6 +1,6 @@
-"""The live re-split of device memory between the expert slot pool and the KV pool.
+"""The live re-split of device memory between the expert slot pool, the KV pool and a hybrid's state pool.
 
-``POST /admin/cache/rebuild {"moe_slots"?, "kv_tokens"?}`` runs, in this order:
+``POST /admin/cache/rebuild {"moe_slots"?, "kv_tokens"?, "state_slots"?}`` runs, in this order:
 
 1. gate ``begin_rebuild`` (refused: ``not_ready`` / ``latched`` / ``busy``; nothing changed);
 2. ``Pools.validate`` (``PoolBudget.validate``) — arithmetic against the measured budget,
@@ -10,8 +10,9 @@
    (``rebuild_never_dispatched``) and answers ``idle_timeout``;
 4. ``RebuildTxn.run`` over ``Pools.resize`` (the destructive step: it marks teardown before
    it frees anything — a MoE-only change resizes the slot pool in place with the batch loop
-   paused, keeping the hottest experts, the KV pool and its prefix cache; a KV change stops
-   the batch loop, drops the KV pool and builds a new one, prefix cache invalidated) and
+   paused, keeping the hottest experts, the KV pool and its prefix cache; a KV or state
+   change stops the batch loop, drops the runner's pools and builds new ones, prefix cache
+   and state snapshots invalidated) and
    ``Pools.restore`` (on failure only the touched pools are restored; a failed restore
    latches);
 5. gate ``finish_rebuild(engine_preserved)``.
@@ -42,7 +43,7 @@ from moetray.engine.gate import Gate
 from moetray.engine.pools import Pools
 from moetray.engine.requests import Requests
 from moetray.policy.pool_budget import PoolSizes, RebuildRejected, RebuildRequest, reserve_pages
-from moetray.policy.rebuild import Applied, RebuildTxn
+from moetray.policy.rebuild import Applied, Latched, RebuildTxn, sizes_body
 from moetray.policy.wire import error_body, refusal_for
 
 log = logging.getLogger("moetray.engine.rebuild")
@@ -56,9 +57,11 @@ With the default idle wait (30 s) it stays inside the tray client's 120 s rebuil
 def _request_from(body: dict[str, Any], page_size: int) -> RebuildRequest:
     moe = body.get("moe_slots")
     kv_tokens = body.get("kv_tokens")
+    state = body.get("state_slots")
     return RebuildRequest(
         moe_slots=None if moe is None else int(moe),
         kv_pages=None if kv_tokens is None else reserve_pages(int(kv_tokens), page_size),
+        state_slots=None if state is None else int(state),
     )
 
 
@@ -76,12 +79,15 @@ async def run_rebuild(
     ``pools`` is ``None`` before the model loaded; the gate refuses then (``not_ready``).
     """
     t0 = time.perf_counter()
-    if body.get("moe_slots") is None and body.get("kv_tokens") is None:
-        return 400, error_body("invalid_request_error", "name at least one of moe_slots, kv_tokens")
+    if all(body.get(name) is None for name in ("moe_slots", "kv_tokens", "state_slots")):
+        named = "name at least one of moe_slots, kv_tokens, state_slots"
+        return 400, error_body("invalid_request_error", named)
     gate.begin_rebuild()  # RebuildRefused → mapped by the server, nothing changed
+    if pools is None:  # the gate refuses (not_ready) before the pools exist: a bug if reached
+        gate.rebuild_never_dispatched()
+        raise AssertionError("the gate admitted a rebuild before the pools existed")
     dispatched = False
     try:
-        assert pools is not None, "the gate admitted a rebuild before the pools existed"
         page = pools.budget.page_size
         request = _request_from(body, page)
         current = pools.sizes()
@@ -113,8 +119,8 @@ async def run_rebuild(
         result = _settle(gate, pools, txn, outcome, t0)
         if isinstance(outcome, Applied):
             return 200, result
-        message = getattr(outcome, "reason", outcome.outcome)
-        if outcome.outcome == "latched":
+        message = outcome.reason
+        if isinstance(outcome, Latched):
             message = f"{outcome.reason}; rollback failed: {outcome.rollback_error}. Restart the engine."
         return refusal_for(outcome.refusal_kind).status, error_body(outcome.refusal_kind, message, **result)
     except RebuildRejected as exc:
@@ -179,7 +185,7 @@ def _timed_out(timeout_s: float, sizes: PoolSizes, page: int) -> tuple[int, dict
 
 
 def _refusal(kind: str, message: str, sizes: PoolSizes, page: int) -> tuple[int, dict[str, Any]]:
-    body = {"moe_slots": sizes.moe_slots, "kv_pages": sizes.kv_pages, "kv_tokens": sizes.kv_pages * page}
+    body = sizes_body(sizes, page)
     result = {
         "outcome": "rejected_intact",
         "before": body,

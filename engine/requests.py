@@ -107,6 +107,9 @@ class Requests:
         pages. The record leaves the registry and its tokens enter the totals either way.
         """
         runner = self.runner()
+        if runner is None:  # admission saw a runner; a re-split cannot start while this record is in flight
+            self.release(record)
+            raise EngineUnavailable("failed", "no batch loop serves the admitted request")
         eos_ids = runner.config.eos_token_ids
         finished = False
         seen = 0

@@ -1,7 +1,7 @@
 """``moetray serve``: the engine process (HTTP server first, the model loads behind it).
 
     moetray serve [--model PATH|NAME] [--host 127.0.0.1] [--port N] [--device auto|cpu|cuda]
-                  [--moe-capacity SLOTS|PCT%] [--kv-tokens N] [--budget-bytes N[K|M|G]] …
+                  [--moe-capacity SLOTS|PCT%] [--kv-tokens N] [--state-slots N] [--budget-bytes N[K|M|G]] …
 
 With no ``--model`` the embedded demo model is built (first run) and served. The server
 comes up before the model loads, so ``GET /health`` reports load progress; the gate opens
@@ -84,6 +84,13 @@ def parser() -> argparse.ArgumentParser:
         help="expert slots on the device: a count, or a share of all experts like '50%%'",
     )
     p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument(
+        "--state-slots",
+        type=int,
+        default=None,
+        help="recurrent-state slots of a hybrid model (requests running at once, plus snapshots kept "
+        "for prefix reuse); refused for a model without linear-attention layers",
+    )
     p.add_argument(
         "--budget-bytes",
         type=parse_bytes,
@@ -168,6 +175,7 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         dtype=args.dtype,
         moe_capacity=moe_capacity(args.moe_capacity, args.model),
         kv_tokens=args.kv_tokens,
+        state_slots=args.state_slots,
         budget_bytes=args.budget_bytes,
         page_size=args.page_size,
         max_batch_tokens=args.max_batch_tokens,

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def health(
-    state: str,
+    state: wire.GateStateName,
     load: LoadState,
     served: ServedModel | None,
     runner: BatchRunner | None,
@@ -59,7 +59,7 @@ def model_info(served: ServedModel | None, pools: Pools | None) -> dict[str, Any
 
 def snapshot(
     *,
-    state: str,
+    state: wire.GateStateName,
     load: LoadState,
     uptime_s: float,
     served: ServedModel | None,
@@ -70,15 +70,15 @@ def snapshot(
     """``policy.wire.StatusSnapshot``: everything the dashboard shows, unknowns as ``None``."""
     p50, p95 = telemetry.ttft()
     footprint = telemetry.footprint()
-    ready = served is not None and pools is not None
+    live = pools if served is not None else None  # the pools' figures once the model serves
     return {
         "state": state,
         "load_progress": load.progress,
         "uptime_s": round(uptime_s, 3),
         "model": model_info(served, pools),
-        "device": device_memory(pools.runtime.device, pools.device, footprint) if ready else None,
-        "pools": pools.to_wire() if ready else None,
-        "experts": pools.runtime.snapshot() if ready else None,
+        "device": device_memory(live.runtime.device, live.device, footprint) if live is not None else None,
+        "pools": live.to_wire() if live is not None else None,
+        "experts": live.runtime.snapshot() if live is not None else None,
         "throughput": {
             "tok_s": telemetry.tok_s(),
             "ttft_p50_ms": p50,

@@ -48,7 +48,7 @@ class Telemetry:
         self.prompt_tokens_total = 0
         self.completion_tokens_total = 0
         self.cached_prompt_tokens_total = 0
-        self._footprint = ProbeCache(0.5, clock)
+        self._footprint: ProbeCache[Footprint | None] = ProbeCache(0.5, clock)
 
     def tokens(self, n: int) -> None:
         """``n`` tokens were generated just now."""
@@ -119,22 +119,24 @@ def device_memory(device, budget, footprint: Footprint | None) -> dict[str, obje
             "others_bytes": int(others) if others >= 0 else None,
             "budget_bytes": budget.budget_bytes,
         }
+    host_total: int | None = None
+    host_used: int | None = None
     try:
         import psutil
 
         vm = psutil.virtual_memory()
-        total, used = int(vm.total), int(vm.total - vm.available)
+        host_total, host_used = int(vm.total), int(vm.total - vm.available)
     except Exception:  # pragma: no cover - psutil is a dependency
-        total = used = None
-    engine = footprint.bytes if footprint is not None else None
-    others = used - engine if used is not None and engine is not None and used >= engine else None
+        pass
+    mine = footprint.bytes if footprint is not None else None
+    rest = host_used - mine if host_used is not None and mine is not None and host_used >= mine else None
     return {
         "kind": "cpu",
         "name": budget.name,
         "label": budget.label,
-        "total_bytes": total,
-        "engine_bytes": engine,
-        "others_bytes": others,
+        "total_bytes": host_total,
+        "engine_bytes": mine,
+        "others_bytes": rest,
         "budget_bytes": budget.budget_bytes,
     }
 

@@ -10,11 +10,16 @@ The anchor is found by an integer compare on sampled ids: the opener text must e
 exactly one token (``resolve_anchor_token``), and only the first opener of a turn counts
 (``AnchorState.observe``). What the anchor then keeps depends on the attention:
 
-* **Full attention** (every model moetray serves today): the radix cache already keeps
-  every finished prefix, but only until LRU pressure takes it. ``AnchorRetention`` locks
-  the prefix up to the opener in the radix tree so it outlives other prefixes, and
-  releases that lock when the conversation's next turn arrives, when pressure needs the
-  room, or when the held total would exceed a bound. Soft, never a leak.
+* **Full attention**: the radix cache already keeps every finished prefix, but only until
+  LRU pressure takes it. ``AnchorRetention`` locks the prefix up to the opener in the radix
+  tree so it outlives other prefixes, and releases that lock when the conversation's next
+  turn arrives, when pressure needs the room, or when the held total would exceed a bound.
+  Soft, never a leak.
+* **Recurrent state** (hybrid models, ``policy.radix_state``): KV alone cannot resume a
+  turn; the state snapshot must sit at the boundary. The hold is then on the deepest
+  snapshot within the opener's prefix, and it locks that snapshot with its KV
+  (``lock_state``), so the state is retained exactly like the KV prefix; snapshot
+  pressure releases holds through ``make_room_states``.
 * **Sliding-window attention**: a request periodically frees the KV that slid out of its
   window (``decode_slide`` / ``prefill_slide``). An anchor only ever makes that slide less
   aggressive, keeping the window that ends at the opener, and is dropped once the cursor
@@ -30,9 +35,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 from .radix import RadixCache, RadixNode
+from .radix_state import HybridRadixCache
 from .refused import Refused
 
 __all__ = [
@@ -70,7 +76,7 @@ def _require(ok: bool, field: str, message: str) -> None:
         raise AnchorError(field, message)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -244,10 +250,14 @@ def prefill_slide(request: SlidingRequest, policy: WindowPolicy) -> SlideDecisio
 
 
 class Hold(NamedTuple):
-    """A retained prefix: the held token ids (whole pages) and the radix node locked for them."""
+    """A retained prefix: the held token ids (whole pages) and the radix node locked for them.
+
+    ``state`` is True when the lock is a state lock (the node's snapshot and its KV path).
+    """
 
     prefix: tuple[int, ...]
     node: RadixNode
+    state: bool = False
 
 
 class HoldOutcome(StrEnum):
@@ -258,6 +268,7 @@ class HoldOutcome(StrEnum):
     BELOW_ONE_PAGE = "below_one_page"  # the opener sits inside the first page: nothing to keep
     OVER_BOUND = "over_bound"  # the prefix alone exceeds max_held_tokens
     NOT_CACHED = "not_cached"  # the radix tree holds no page of it (insert before holding)
+    NO_SNAPSHOT = "no_snapshot"  # hybrid: no state snapshot within it, so nothing can resume there
 
 
 class HoldDecision(NamedTuple):
@@ -307,8 +318,10 @@ class AnchorRetention:
         Call when a request that observed an anchor finishes, after its sequence was
         inserted into the radix cache. Keeps the whole pages of ``ids[:anchor_len]`` the
         tree holds: matches them (stamping them recent and splitting the node at the
-        page boundary, so the lock covers exactly that prefix) and locks the end node.
-        The same prefix held again only becomes the newest hold (no second lock). Then
+        page boundary, so the lock covers exactly that prefix) and locks the end node. On a
+        ``HybridRadixCache`` the hold is on the deepest state snapshot within that prefix
+        (``NO_SNAPSHOT`` when there is none) and takes a state lock, which keeps the
+        snapshot with its KV. The same prefix held again only becomes the newest hold (no second lock). Then
         releases the oldest other holds while the total exceeds ``max_held_tokens``.
         Mutates the radix cache (stamps, a split, lock/unlock) and this object. Refuses
         ``invalid_argument`` when ``anchor_len`` is outside ``[1, len(ids)]``.
@@ -325,16 +338,27 @@ class AnchorRetention:
             return HoldDecision(HoldOutcome.BELOW_ONE_PAGE, None, ())
         if aligned > self._max:
             return HoldDecision(HoldOutcome.OVER_BOUND, None, ())
-        match = self._cache.match_prefix(ids[:aligned])
-        if match.cached_len == 0:
-            return HoldDecision(HoldOutcome.NOT_CACHED, None, ())
-        prefix = ids[: match.cached_len]
+        cache = self._cache
+        if isinstance(cache, HybridRadixCache):
+            if cache.match_prefix(ids[:aligned]).cached_len == 0:
+                return HoldDecision(HoldOutcome.NOT_CACHED, None, ())
+            cached_len, node, _ = cache.match_state(ids[:aligned])
+            if cached_len == 0:
+                return HoldDecision(HoldOutcome.NO_SNAPSHOT, None, ())
+        else:
+            cached_len, node = cache.match_prefix(ids[:aligned])
+            if cached_len == 0:
+                return HoldDecision(HoldOutcome.NOT_CACHED, None, ())
+        prefix = ids[:cached_len]
         existing = self._holds.pop(prefix, None)
         if existing is not None:
             self._holds[prefix] = existing
             return HoldDecision(HoldOutcome.REFRESHED, existing, ())
-        self._cache.lock(match.node)
-        held = Hold(prefix, match.node)
+        if isinstance(cache, HybridRadixCache):
+            cache.lock_state(node)
+        else:
+            cache.lock(node)
+        held = Hold(prefix, node, isinstance(cache, HybridRadixCache))
         self._holds[prefix] = held
         self._held_tokens += len(prefix)
         released: list[Hold] = []
@@ -370,6 +394,26 @@ class AnchorRetention:
             released.append(self._release(next(iter(self._holds.values()))))
         return tuple(released)
 
+    def make_room_states(self, n: int) -> tuple[Hold, ...]:
+        """Releases the oldest state holds until the hybrid cache can evict ``n`` snapshots, or none are left.
+
+        Snapshot pressure (a request needs a state slot) outranks retention, as KV pressure
+        does in ``make_room``; releases nothing when enough snapshots are already evictable
+        or the cache holds no snapshots. Mutates: unlocks and forgets the released holds.
+        Returns them, oldest first. Refuses ``invalid_argument`` for a negative ``n``.
+        """
+        _require_int("n", n, 0)
+        cache = self._cache
+        if not isinstance(cache, HybridRadixCache):
+            return ()
+        released: list[Hold] = []
+        while cache.evictable_states < n:
+            oldest = next((h for h in self._holds.values() if h.state), None)
+            if oldest is None:
+                break
+            released.append(self._release(oldest))
+        return tuple(released)
+
     def release_all(self) -> tuple[Hold, ...]:
         """Releases every hold (the KV pool is being rebuilt or the engine stops). Mutates."""
         return tuple(self._release(h) for h in list(self._holds.values()))
@@ -381,6 +425,10 @@ class AnchorRetention:
         for prefix, hold in self._holds.items():
             if hold.prefix != prefix or not (hold.node.alive and hold.node.locked):
                 raise AssertionError(f"hold of {len(prefix)} tokens lost its lock or its key")
+            if hold.state and not (
+                isinstance(self._cache, HybridRadixCache) and self._cache.state_of(hold.node) is not None
+            ):
+                raise AssertionError(f"state hold of {len(prefix)} tokens lost its snapshot")
             total += len(prefix)
         if total != self._held_tokens or total > self._max:
             raise AssertionError(f"held_tokens={self._held_tokens}, recomputed {total}, bound {self._max}")
@@ -388,5 +436,8 @@ class AnchorRetention:
     def _release(self, hold: Hold) -> Hold:
         del self._holds[hold.prefix]
         self._held_tokens -= len(hold.prefix)
-        self._cache.unlock(hold.node)
+        if hold.state and isinstance(self._cache, HybridRadixCache):
+            self._cache.unlock_state(hold.node)
+        else:
+            self._cache.unlock(hold.node)
         return hold

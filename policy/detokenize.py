@@ -19,7 +19,7 @@ length of the output.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from moetray.policy.refused import Refused
 
@@ -50,7 +50,7 @@ class DetokenizeRefused(Refused, ValueError):
     KINDS = ("empty_stop", "stream_finished")
 
 
-def stop_prefix_holdback(text: str, stops: Sequence[str]) -> int:
+def stop_prefix_holdback(text: str, stops: Iterable[str]) -> int:
     """How many trailing characters of ``text`` must be held because a stop could start there.
 
     Decides the length of the longest suffix of ``text`` that is a *proper* prefix of some

@@ -17,7 +17,7 @@ not read): ``THINKING_OFF``, ``THINKING_ON``, ``THINKING_ADAPTIVE``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -151,7 +151,7 @@ class EffortProfile:
         return effective_efforts(self)
 
 
-def _ordered(efforts) -> tuple[Effort, ...]:
+def _ordered(efforts: Iterable[Effort]) -> tuple[Effort, ...]:
     return tuple(e for e in KNOWN_EFFORTS if e in set(efforts))
 
 
@@ -175,7 +175,7 @@ def effective_efforts(profile: EffortProfile) -> tuple[Effort, ...]:
     return _ordered(set(profile.diverged) | extra)
 
 
-def quantize_effort(requested: object, supported) -> Effort | None:
+def quantize_effort(requested: object, supported: Iterable[object]) -> Effort | None:
     """Decides which supported gear a client's effort becomes, or ``None`` (send nothing); pure.
 
     A supported value passes through. Otherwise the nearest supported gear on the scale,
@@ -202,7 +202,8 @@ def quantize_effort(requested: object, supported) -> Effort | None:
     return best
 
 
-def _try_render(render: Render, messages, kwargs: Mapping[str, Any]) -> str | None:
+def _try_render(render: Render, messages: Sequence[Mapping[str, str]],
+                kwargs: Mapping[str, Any]) -> str | None:
     try:
         return render([dict(m) for m in messages], add_generation_prompt=True, **kwargs)
     except Exception:  # a template error means "rejected" here, whatever its type
@@ -213,7 +214,7 @@ def _spelled(value: str) -> dict[str, str]:
     return {"reasoning_effort": value, "reasoning_strength": value}
 
 
-def probe_effort(render: Render, *, messages=PROBE_MESSAGES) -> EffortProfile:
+def probe_effort(render: Render, *, messages: Sequence[Mapping[str, str]] = PROBE_MESSAGES) -> EffortProfile:
     """Learns the template's effort vocabulary by differential rendering; calls ``render`` only.
 
     Three rounds: bare, with one no-op tool (some templates grade effort only when tools
@@ -291,7 +292,8 @@ class ThinkingProfile:
     default: ThinkingState | None = None
 
 
-def probe_thinking(render: Render, *, messages=PROBE_MESSAGES) -> ThinkingProfile:
+def probe_thinking(render: Render, *,
+                   messages: Sequence[Mapping[str, str]] = PROBE_MESSAGES) -> ThinkingProfile:
     """Learns whether thinking can be switched, and its default, by rendering; calls ``render`` only.
 
     Renders bare, ``THINKING_OFF`` and ``THINKING_ON``; any error → not toggleable. The

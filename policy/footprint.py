@@ -138,12 +138,13 @@ def sum_footprints(footprints: Iterable[Footprint | None]) -> Footprint | None:
     would be neither.
     """
     items = list(footprints)
-    if not items or any(f is None for f in items):
+    known = [f for f in items if f is not None]
+    if not items or len(known) < len(items):
         return None
-    kinds = {f.kind for f in items}
+    kinds = {f.kind for f in known}
     if len(kinds) > 1:
         raise ValueError(f"cannot add footprints of different kinds: {sorted(k.value for k in kinds)}")
-    return Footprint(sum(f.bytes for f in items), kinds.pop())
+    return Footprint(sum(f.bytes for f in known), kinds.pop())
 
 
 def probe_group_footprint(pids: Iterable[int], read_text: ReadText) -> Footprint | None:
@@ -156,11 +157,12 @@ def probe_group_footprint(pids: Iterable[int], read_text: ReadText) -> Footprint
     pids = list(pids)
     if not pids:
         return None
-    pss = [parse_smaps_rollup_pss(read_text(f"/proc/{pid}/smaps_rollup")) for pid in pids]
-    if all(b is not None for b in pss):
+    pss = [b for pid in pids
+           if (b := parse_smaps_rollup_pss(read_text(f"/proc/{pid}/smaps_rollup"))) is not None]
+    if len(pss) == len(pids):
         return Footprint(sum(pss), FootprintKind.PSS)
-    rss = [parse_status_rss(read_text(f"/proc/{pid}/status")) for pid in pids]
-    if all(b is not None for b in rss):
+    rss = [b for pid in pids if (b := parse_status_rss(read_text(f"/proc/{pid}/status"))) is not None]
+    if len(rss) == len(pids):
         return Footprint(sum(rss), FootprintKind.RSS)
     return None
 

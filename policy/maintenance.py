@@ -17,8 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from moetray.policy.refused import Refused
+
+if TYPE_CHECKING:
+    from moetray.policy.wire import GateStateName
 
 __all__ = [
     "AdmissionClosed",
@@ -38,6 +42,11 @@ class GateState(StrEnum):
     REBUILDING = "rebuilding"  # a live re-split of the pools is running
     STOPPING = "stopping"  # admission closed for good, draining
     FAILED = "failed"  # latched; only a restart clears it
+
+    @property
+    def wire_name(self) -> GateStateName:
+        """The value as ``policy.wire.GateStateName`` (the members spell exactly its names)."""
+        return self.value
 
 
 ADMISSION_KINDS: dict[GateState, str] = {

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from moetray.policy.maintenance import SealedAccounting
 from moetray.policy.refused import Refused
@@ -103,7 +104,7 @@ class Receipt:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> Receipt:
+    def from_json(cls, data: dict[str, Any]) -> Receipt:
         """Reads back ``to_json``'s shape; raises ``KeyError``/``ValueError`` on anything else."""
         return cls(
             id=str(data["id"]),

@@ -76,9 +76,9 @@ def choose_format(requested: str, *, device_kind: str, checkpoint_dtype: str | N
     if requested != "auto":
         return ServingFormat(requested, requested, f"--dtype {requested}")
     if device_kind != "cpu":
-        named = checkpoint_dtype in ("float32", "bfloat16", "float16")
-        chosen = checkpoint_dtype if named else "bfloat16"
-        whose = "the checkpoint's " if named else ""
+        chosen = checkpoint_dtype if checkpoint_dtype in ("float32", "bfloat16", "float16") else None
+        whose = "the checkpoint's " if chosen else ""
+        chosen = chosen or "bfloat16"
         return ServingFormat(chosen, chosen, f"auto: {whose}{chosen} on {device_kind}")
     sixteen = checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else None
     if sixteen is None:

@@ -68,6 +68,7 @@ class RadixError(Refused, ValueError):
     ``slot_already_cached`` (``.slot``: the tree already owns it elsewhere),
     ``stale_handle`` (the node was evicted or belongs to another cache),
     ``unlock_without_lock``, ``evict_exceeds_evictable`` (``.requested``, ``.evictable``),
+    ``no_snapshot`` (a state lock asked of a node holding no state snapshot),
     ``integrity`` (``check_integrity`` found counters or structure out of line).
     """
 
@@ -79,6 +80,7 @@ class RadixError(Refused, ValueError):
         "stale_handle",
         "unlock_without_lock",
         "evict_exceeds_evictable",
+        "no_snapshot",
         "integrity",
     )
 
@@ -94,7 +96,8 @@ class RadixNode:
     """
 
     __slots__ = (
-        "_alive", "_cache", "_children", "_key", "_own", "_parent", "_ref", "_serial", "_stamp", "_value",
+        "_alive", "_cache", "_children", "_key", "_own", "_parent", "_ref", "_serial", "_stamp", "_state",
+        "_state_ref", "_value",
     )
 
     def __init__(
@@ -117,6 +120,11 @@ class RadixNode:
         self._stamp = stamp
         self._serial = serial
         self._alive = True
+        # The recurrent half (policy.radix_state): a state snapshot slot at this node's END
+        # boundary and its own lock count. Inert in a plain cache; a split leaves both on the
+        # suffix, which keeps the end boundary.
+        self._state: int | None = None
+        self._state_ref = 0
 
     @property
     def alive(self) -> bool:
@@ -306,6 +314,7 @@ class RadixCache:
         slots = tuple(slots)
         whole = len(ids) - len(ids) % self._page
         full_pages = self._entries(whole)
+        allowed: tuple[int, ...]
         if self._unit == "token":
             allowed = (len(ids),)
         else:
@@ -411,12 +420,7 @@ class RadixCache:
             if pages > pages_needed:
                 self._split(victim, (pages - pages_needed) * self._page)
                 pages = pages_needed
-            parent = victim._parent
-            assert parent is not None
-            del parent._children[victim._key[: self._page]]
-            victim._alive = False
-            self._evictable -= len(victim._key)
-            self._slots.difference_update(victim._value)
+            parent = self._unlink_leaf(victim)
             freed.extend(victim._value)
             pages_needed -= pages
             if parent is not self._root and parent._ref == 0 and not parent._children:
@@ -443,6 +447,17 @@ class RadixCache:
 
     def _fail(self, message: str) -> None:
         raise RadixError("integrity", message)
+
+    def _unlink_leaf(self, victim: RadixNode) -> RadixNode:
+        """Removes an unlocked leaf and its slots from the tree; returns its parent. Its handle goes stale."""
+        assert victim._ref == 0 and not victim._children, victim
+        parent = victim._parent
+        assert parent is not None
+        del parent._children[victim._key[: self._page]]
+        victim._alive = False
+        self._evictable -= len(victim._key)
+        self._slots.difference_update(victim._value)
+        return parent
 
     def _walk_nodes(self, include_root: bool = False) -> Iterator[RadixNode]:
         stack = list(self._root._children.values())

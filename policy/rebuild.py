@@ -8,6 +8,10 @@ simply rejected. After it, the old sizes must be put back (only the pools the re
 touched: re-creating an untouched KV pool would wipe the prefix cache for nothing), and
 only if that also fails is the engine latched.
 
+The KV pool and the recurrent-state pool (hybrid models) belong to one batch runner, so
+either one touched re-creates both, and either one re-created drops the prefix cache (its
+pages and its snapshots pointed into them). ``RUNNER_POOLS`` names them.
+
 The transaction does no I/O and keeps no clock: the engine passes the destructive step
 and the restore as callables.
 """
@@ -21,6 +25,7 @@ from moetray.policy.pool_budget import PoolSizes, RebuildRequest
 
 __all__ = [
     "OUTCOME_REFUSAL_KINDS",
+    "RUNNER_POOLS",
     "Applied",
     "EngineActivity",
     "Latched",
@@ -28,6 +33,7 @@ __all__ = [
     "RebuildTxn",
     "RejectedIntact",
     "RolledBack",
+    "sizes_body",
 ]
 
 
@@ -108,11 +114,24 @@ class Latched:
 
 RebuildOutcome = Applied | RejectedIntact | RolledBack | Latched
 
+RUNNER_POOLS = frozenset({"kv", "state"})
+"""The pools one batch runner owns: touching either one re-creates the runner (and its prefix cache)."""
+
 OUTCOME_REFUSAL_KINDS = ("rejected_intact", "rolled_back", "rebuild_latched")
 """Every ``refusal_kind`` a non-applied outcome carries (each a key of ``wire.REFUSALS``)."""
 
 FreeThenAllocate = Callable[[Callable[[], None], PoolSizes], "PoolSizes | None"]
 Restore = Callable[[PoolSizes, frozenset[str]], object]
+
+
+def sizes_body(sizes: PoolSizes, page_size: int) -> dict[str, int]:
+    """``wire.PoolSizesBody`` for ``sizes``: what a rebuild reply says the pools were or are."""
+    return {
+        "moe_slots": sizes.moe_slots,
+        "kv_pages": sizes.kv_pages,
+        "kv_tokens": sizes.kv_pages * page_size,
+        "state_slots": sizes.state_slots,
+    }
 
 
 def _describe(exc: BaseException) -> str:
@@ -144,7 +163,7 @@ class RebuildTxn:
 
     @property
     def touched(self) -> frozenset[str]:
-        """The pools the request names, a subset of ``{"moe", "kv"}``: the only ones a rollback restores."""
+        """The pools the request names (a subset of ``POOLS``): the only ones a rollback restores."""
         return self._touched
 
     @property
@@ -190,11 +209,15 @@ class RebuildTxn:
             return RolledBack(reason, self._rollback_target)
         return Applied(target if landed is None else PoolSizes(*landed))
 
+    def replaces_runner(self) -> bool:
+        """Whether the request touches a pool of the batch runner (KV or state), which is then re-created."""
+        return bool(self._touched & RUNNER_POOLS)
+
     def prefix_cache_invalidated(self, outcome: RebuildOutcome) -> bool:
-        """Whether ``outcome`` dropped the prefix cache: a KV pool was replaced or torn down and restored."""
+        """Whether ``outcome`` dropped the prefix cache: a KV or state pool was replaced or restored."""
         if isinstance(outcome, RejectedIntact):
             return False
-        return "kv" in self._touched
+        return self.replaces_runner()
 
     def result(self, outcome: RebuildOutcome, *, page_size: int, elapsed_ms: float) -> dict[str, object]:
         """The rebuild reply's fields (``wire.RebuildResult``); ``after`` equals ``before`` unless applied."""
@@ -202,11 +225,7 @@ class RebuildTxn:
         after = outcome.sizes if isinstance(outcome, Applied) else before
 
         def body(sizes: PoolSizes) -> dict[str, int]:
-            return {
-                "moe_slots": sizes.moe_slots,
-                "kv_pages": sizes.kv_pages,
-                "kv_tokens": sizes.kv_pages * page_size,
-            }
+            return sizes_body(sizes, page_size)
 
         return {
             "outcome": outcome.outcome,

@@ -254,15 +254,18 @@ class PoolInfo(TypedDict):
     kv_pages: int
     page_size: int  # tokens per KV page
     kv_tokens: int
+    state_slots: int  # recurrent-state slots (hybrid models); 0 when the model has no such pool
     bytes_per_slot: int
     bytes_per_page: int
+    bytes_per_state_slot: int  # one request's conv + recurrent states over every linear layer; 0 without
     budget_bytes: int
     fixed_bytes: int
-    floors: dict[str, int]  # {"moe_slots", "kv_pages"}
-    limits: dict[str, dict[str, int]]  # {"moe_slots": {"min", "max"}, "kv_pages": {...}}
+    floors: dict[str, int]  # {"moe_slots", "kv_pages", "state_slots"}
+    limits: dict[str, dict[str, int]]  # {"moe_slots": {"min", "max"}, "kv_pages": …, "state_slots": …}
     kv_pages_used: int | None  # excludes evictable prefix pages
     kv_pages_evictable: int | None
-    live_bytes: dict[str, int | None]  # {"moe_slots", "kv_pages"}: bytes each live pool holds, measured
+    state_slots_used: int | None  # live requests + locked snapshots (evictable snapshots excluded)
+    live_bytes: dict[str, int | None]  # {"moe_slots", "kv_pages", "state_slots"}: bytes each live pool holds
 
 
 class ExpertStats(TypedDict):
@@ -309,6 +312,7 @@ class PoolSizesBody(TypedDict):
     moe_slots: int
     kv_pages: int
     kv_tokens: int
+    state_slots: int
 
 
 class RebuildResult(TypedDict):

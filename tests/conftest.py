@@ -15,6 +15,8 @@ import pytest
 TESTS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS_DIR))  # tiny_moe and other shared helpers live beside this file
 
+from bounded import Processes  # noqa: E402
+
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -31,6 +33,15 @@ def pytest_collection_modifyitems(config, items):
         tier = _TIER_BY_FOLDER.get(parts[0]) if len(parts) > 1 else None
         if tier:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture
+def processes():
+    """Start a test's processes with ``processes.spawn(argv, **popen)`` (own session each);
+    every one's whole group is ended when the test ends, failed or not."""
+    owned = Processes()
+    yield owned
+    owned.close()
 
 
 @pytest.fixture(scope="session")

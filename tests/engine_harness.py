@@ -78,7 +78,7 @@ class LiveEngine:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        raise TimeoutError(f"engine never reached {states}: {last}")
+        raise TimeoutError(f"waited {timeout:g} s for the engine to reach {sorted(states)}: {last}")
 
     def status(self) -> dict:
         return httpx.get(f"{self.url}/admin/status", headers=ADMIN, timeout=10.0).json()
@@ -94,9 +94,12 @@ class LiveEngine:
                 if not snap["requests"]:
                     return snap
             time.sleep(0.02)
-        raise TimeoutError("requests still in flight")
+        raise TimeoutError(f"waited {timeout:g} s for the engine to be idle: requests still in flight")
 
     def close(self) -> None:
+        """Stop the server thread and the engine; a server that will not stop fails by name."""
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.engine.shutdown()
+        if self.thread.is_alive():
+            raise TimeoutError(f"waited 30 s for the engine server on port {self.port} to stop")

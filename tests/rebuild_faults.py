@@ -57,10 +57,10 @@ class RebuildFaults:
                 raise AllocationFailed("injected: allocation failed before teardown")
             return resize(target, touched, mark_teardown)
 
-        def faulty_open_kv(kv_pages):
+        def faulty_open_kv(kv_pages, state_slots=0):
             if faults.take("after_teardown"):
                 raise AllocationFailed("injected: allocation failed after teardown")
-            return open_kv(kv_pages)
+            return open_kv(kv_pages, state_slots)
 
         def faulty_restore(old, touched):
             if faults.take("restore"):

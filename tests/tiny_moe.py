@@ -14,6 +14,11 @@ Families: qwen3_moe, qwen2_moe, mixtral, olmoe; and granitemoe, granitemoeshared
 its two layouts are the same files), phimoe (Mixtral's legacy names), deepseek_v2,
 deepseek_v3 and glm4_moe (shared experts; ``dense_layers`` puts dense MLP layers first).
 jetmoe is here only to be refused: transformers computes its experts in its own forward.
+
+Hybrids (Gated DeltaNet linear attention, one full-attention layer in every four):
+qwen3_5_moe_text (the text-only layout), qwen3_5_moe (the layout real Qwen3.5/3.6-MoE
+checkpoints ship: ``Qwen3_5MoeForConditionalGeneration``, a small vision tower beside the
+text weights under ``model.language_model.*``) and qwen3_next.
 """
 
 from __future__ import annotations
@@ -36,7 +41,11 @@ from transformers import (
     PhimoeConfig,
     PreTrainedTokenizerFast,
     Qwen2MoeConfig,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 from moetray.engine.bench.tokenizer import chatml_bpe_tokenizer
@@ -110,6 +119,22 @@ def tiny_config(family: str, *, num_layers: int = 2, num_experts: int = 8, top_k
     if family == "deepseek_v3":  # grouped routing with a score-correction bias, scaled weights
         return DeepseekV3Config(**common, **deepseek, **mla, n_group=2, topk_group=1,
                                 routed_scaling_factor=2.5, norm_topk_prob=True)
+    if family in HYBRID_FAMILIES:
+        linear = dict(head_dim=hidden // 4, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                      moe_intermediate_size=expert_inter, shared_expert_intermediate_size=expert_inter,
+                      num_experts=num_experts, num_experts_per_tok=top_k,
+                      # a full-attention layer every fourth (the real models' interval), and
+                      # the last one when there are fewer than four
+                      layer_types=["full_attention" if (i + 1) % 4 == 0 or i == num_layers - 1 < 3
+                                   else "linear_attention" for i in range(num_layers)])
+        if family == "qwen3_next":
+            return Qwen3NextConfig(**common, **linear, intermediate_size=expert_inter * 2)
+        text = Qwen3_5MoeTextConfig(**common, **linear)
+        if family == "qwen3_5_moe_text":
+            return text
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=hidden)
+        return Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False)
     if family == "glm4_moe":
         return Glm4MoeConfig(**common, **deepseek, head_dim=hidden // 4, n_group=1, topk_group=1,
                              norm_topk_prob=True)
@@ -117,7 +142,9 @@ def tiny_config(family: str, *, num_layers: int = 2, num_experts: int = 8, top_k
 
 
 _DEEPSEEK_STYLE = ("deepseek_v2", "deepseek_v3", "glm4_moe")
-_CONSTANT_INIT_FAMILIES = ("granitemoe", "granitemoeshared", "gpt_oss", "phimoe", *_DEEPSEEK_STYLE)
+HYBRID_FAMILIES = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+_CONSTANT_INIT_FAMILIES = ("granitemoe", "granitemoeshared", "gpt_oss", "phimoe", *_DEEPSEEK_STYLE,
+                           *HYBRID_FAMILIES)
 
 
 def _jitter_constants(model: torch.nn.Module) -> None:
@@ -136,6 +163,20 @@ def _jitter_constants(model: torch.nn.Module) -> None:
                 tensor.add_((0.1 * abs(value) if value else 0.01) * torch.randn_like(tensor))
 
 
+def _long_memory(model: torch.nn.Module) -> None:
+    """Give every Gated DeltaNet layer a slow decay and a strong output, as trained ones have.
+
+    At random init the recurrence forgets within a few tokens and its output is small beside
+    the residual stream, so a wrong or stale state would barely move a token; with a decay near 1
+    the state carries the whole prompt, and a state error changes the greedy tokens."""
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("GatedDeltaNet"):
+                module.A_log.copy_(torch.log(torch.empty_like(module.A_log).uniform_(0.02, 0.08)))
+                module.dt_bias.copy_(torch.empty_like(module.dt_bias).uniform_(-4.0, -3.0))
+                module.out_proj.weight.mul_(6.0)
+
+
 def make_tiny_moe(dest: Path, family: str = "qwen3_moe", layout: str = "per_expert",
                   seed: int = 0, **config_kw) -> Path:
     """Write a tiny random MoE checkpoint folder to ``dest`` and return it."""
@@ -144,11 +185,16 @@ def make_tiny_moe(dest: Path, family: str = "qwen3_moe", layout: str = "per_expe
     dest = Path(dest)
     config = tiny_config(family, **config_kw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "qwen3_5_moe":  # the multimodal class real checkpoints are saved from
+        model = Qwen3_5MoeForConditionalGeneration(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if family in _CONSTANT_INIT_FAMILIES:
         _jitter_constants(model)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
+    if family in HYBRID_FAMILIES:
+        _long_memory(model)
+    model.generation_config.eos_token_id = config.get_text_config().eos_token_id
+    model.generation_config.pad_token_id = config.get_text_config().pad_token_id
     model.save_pretrained(dest)
     if layout == "fused":
         # The module state dict already holds the fused stacks; write it verbatim.
@@ -157,5 +203,5 @@ def make_tiny_moe(dest: Path, family: str = "qwen3_moe", layout: str = "per_expe
         (dest / "model.safetensors.index.json").unlink(missing_ok=True)
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    make_tokenizer(config.vocab_size).save_pretrained(dest)
+    make_tokenizer(config.get_text_config().vocab_size).save_pretrained(dest)
     return dest

@@ -92,10 +92,6 @@ class RollingChart(pg.PlotWidget):
             for i, (name, w) in enumerate(zip(names, widths, strict=True))]
         self._faint: list[pg.PlotDataItem] = []
 
-    @property
-    def curve_count(self) -> int:
-        return len(self._curves) + len(self._faint)
-
     def set_faint_count(self, count: int) -> None:
         """Keep ``count`` thin unnamed curves after the named ones (e.g. one per layer)."""
         item = self.getPlotItem()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
 
@@ -79,10 +81,10 @@ class LazyView(QWidget):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self._stale: dict[str, object] = {}
-        self._routes: dict[tuple[int, str], list] = {}
+        self._stale: dict[str, Callable[[], None]] = {}
+        self._routes: dict[tuple[int, str], list[Callable[[], None]]] = {}
 
-    def _subscribe(self, model, signal_name: str, method) -> None:
+    def _subscribe(self, model, signal_name: str, method: Callable[[], None]) -> None:
         key = (id(model), signal_name)
         if key not in self._routes:
             getattr(model, signal_name).connect(self._on_model_signal)
@@ -92,11 +94,11 @@ class LazyView(QWidget):
         sender = self.sender()
         if sender is None:
             return
-        name = bytes(sender.metaObject().method(self.senderSignalIndex()).name()).decode()
+        name = bytes(sender.metaObject().method(self.senderSignalIndex()).name().data()).decode()
         for method in self._routes.get((id(sender), name), ()):
             self._redraw(method)
 
-    def _redraw(self, method) -> None:
+    def _redraw(self, method: Callable[[], None]) -> None:
         if self.isVisible():
             method()
         else:

@@ -8,8 +8,13 @@ and GiB is ``project``. So the slider never offers a size the engine's ``validat
 would reject for want of memory.
 
 The slider's integer value is the number of expert slots; KV takes what the budget
-leaves. The selection follows the engine's sizes until the user moves it; after that it
-stays put (1 Hz snapshots do not yank the slider) until Apply finishes or Reset.
+leaves. A hybrid model (linear-attention layers) has a third pool, recurrent-state slots,
+chosen in a field beside the slider within ``slider_limits``' state range; its bytes come
+off the top before experts and KV share the rest (``split_at``). A model without it has
+no such field (``has_state_pool``).
+
+The selection follows the engine's sizes until the user moves it; after that it stays put
+(1 Hz snapshots do not yank the slider) until Apply finishes or Reset.
 """
 
 from __future__ import annotations
@@ -22,18 +27,20 @@ from PySide6.QtCore import QObject, Signal
 
 from moetray.policy import wire
 from moetray.policy.pool_budget import BudgetTooSmall, PoolBudget, PoolLimits, PoolSizes, Projection
+from moetray.policy.refused import Refused
 from moetray.ui.viewmodels import ApplyOutcome, rebuild_outcome
 
 PRESET_LABELS = {"minimum": "Minimum", "chat": "Chat", "agent": "Agent"}
 
 
-class ApplyRefused(Exception):
+class ApplyRefused(Refused):
     """Apply is not possible now; ``kind`` is ``disabled`` (see ``reason``) or ``unchanged``."""
 
+    KINDS = ("disabled", "unchanged")
+    reason: str
+
     def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind
-        self.reason = reason
+        super().__init__(kind, reason, reason=reason)
 
 
 @dataclass(frozen=True)
@@ -42,10 +49,11 @@ class RebuildTarget:
 
     moe_slots: int | None
     kv_tokens: int | None
+    state_slots: int | None = None
 
 
 class PoolsModel(QObject):
-    """Slider state between the expert cache and the KV pool.
+    """Slider state between the expert cache and the KV pool (and a hybrid's state pool beside them).
 
     Signals: ``changed`` (engine sizes, limits, presets, enabled state), ``selection_changed``
     (the slider's choice and its projection), ``outcome_changed`` (Apply started/finished).
@@ -63,6 +71,7 @@ class PoolsModel(QObject):
         self.current: PoolSizes | None = None
         self.kv_pages_used: int | None = None
         self.kv_pages_evictable: int | None = None
+        self.state_slots_used: int | None = None
         self.gate_state: str | None = None
         self.budget_error: str | None = None
         self.selection: PoolSizes | None = None
@@ -100,6 +109,11 @@ class PoolsModel(QObject):
         return self.selection is not None and self.selection != self.current
 
     @property
+    def has_state_pool(self) -> bool:
+        """Whether the engine's model has a recurrent-state pool (a hybrid): only then is it shown."""
+        return self.budget is not None and self.budget.has_state_pool
+
+    @property
     def has_moe_range(self) -> bool:
         return self.limits is not None and self.limits.moe_max > self.limits.moe_min
 
@@ -125,13 +139,17 @@ class PoolsModel(QObject):
         changed = self._set("gate_state", snap.get("state"))
         if pools:
             budget = PoolBudget.from_wire(dict(pools))
-            current = PoolSizes(int(pools["moe_slots"]), int(pools["kv_pages"]))
+            current = PoolSizes(
+                int(pools["moe_slots"]), int(pools["kv_pages"]), int(pools.get("state_slots") or 0)
+            )
             changed |= self._set("kv_pages_used", pools.get("kv_pages_used"))
             changed |= self._set("kv_pages_evictable", pools.get("kv_pages_evictable"))
+            changed |= self._set("state_slots_used", pools.get("state_slots_used"))
         else:
             budget, current = None, None
             changed |= self._set("kv_pages_used", None)
             changed |= self._set("kv_pages_evictable", None)
+            changed |= self._set("state_slots_used", None)
         if budget != self.budget:
             self.budget = budget
             self._derive_limits()
@@ -157,7 +175,18 @@ class PoolsModel(QObject):
         """Move the slider to ``moe_slots`` expert slots; KV takes the rest (``split_at``)."""
         if self.budget is None or self.limits is None:
             return None
-        sizes = self._split_for(moe_slots)
+        sizes = self._split_for(moe_slots, self._selected_state())
+        self.user_moved = True
+        self._select(sizes)
+        return sizes
+
+    def select_state_slots(self, state_slots: int) -> PoolSizes | None:
+        """Set the state pool to ``state_slots`` (clamped to its limits), experts kept where the
+        budget allows, KV taking the rest (``split_at``); ``None`` without a state pool."""
+        if self.budget is None or self.limits is None or not self.has_state_pool:
+            return None
+        moe = self.selection.moe_slots if self.selection is not None else self.limits.moe_min
+        sizes = self._split_for(moe, state_slots)
         self.user_moved = True
         self._select(sizes)
         return sizes
@@ -189,17 +218,19 @@ class PoolsModel(QObject):
         moe = self.selection.moe_slots if self.selection.moe_slots != self.current.moe_slots else None
         kv = (self.selection.kv_pages * self.budget.page_size
               if self.selection.kv_pages != self.current.kv_pages else None)
+        state = self.selection.state_slots if self.selection.state_slots != self.current.state_slots else None
         self.applying = True
         self.outcome_changed.emit()
         self.changed.emit()
-        return RebuildTarget(moe, kv)
+        return RebuildTarget(moe, kv, state)
 
     def finish_apply(self, outcome: ApplyOutcome) -> None:
         """Record the engine's verdict; the slider returns to following the engine."""
         self.applying = False
         self.outcome = outcome
         if outcome.after is not None:
-            self.current = PoolSizes(outcome.after.moe_slots, outcome.after.kv_pages)
+            after = outcome.after
+            self.current = PoolSizes(after.moe_slots, after.kv_pages, after.state_slots)
         self.user_moved = False
         self._select(self.current)
         self.outcome_changed.emit()
@@ -243,17 +274,25 @@ class PoolsModel(QObject):
 
     def _clamp(self, sizes: PoolSizes) -> PoolSizes:
         assert self.budget is not None and self.limits is not None
-        moe = min(max(sizes.moe_slots, self.limits.moe_min), self.limits.moe_max)
-        if moe == sizes.moe_slots and self.limits.kv_min <= sizes.kv_pages <= self.limits.kv_max \
+        limits = self.limits
+        moe = min(max(sizes.moe_slots, limits.moe_min), limits.moe_max)
+        state = min(max(sizes.state_slots, limits.state_min), limits.state_max)
+        if moe == sizes.moe_slots and state == sizes.state_slots \
+                and limits.kv_min <= sizes.kv_pages <= limits.kv_max \
                 and self.budget.needed_bytes(sizes) <= self.budget.net_bytes:
             return sizes
-        return self._split_for(moe)
+        return self._split_for(moe, state)
 
-    def _split_for(self, moe_slots: int) -> PoolSizes:
-        """The split with ``moe_slots`` expert slots (clamped to the limits), KV taking the rest."""
+    def _selected_state(self) -> int | None:
+        """The state slots the selection holds (``None``: the pool's floor, or no pool)."""
+        return self.selection.state_slots if self.selection is not None and self.has_state_pool else None
+
+    def _split_for(self, moe_slots: int, state_slots: int | None) -> PoolSizes:
+        """The split with ``moe_slots`` expert slots and ``state_slots`` state slots (each clamped
+        to the limits), KV taking the rest."""
         assert self.budget is not None
         fraction = self.budget.fraction_of(PoolSizes(moe_slots, 0))
-        return self.budget.split_at(0.0 if fraction is None else fraction)
+        return self.budget.split_at(0.0 if fraction is None else fraction, state_slots)
 
     def _select(self, sizes: PoolSizes | None) -> None:
         if sizes != self.selection:

@@ -1,5 +1,9 @@
 """Pools panel: the live re-split slider between expert slots and KV tokens.
 
+A hybrid model's third pool, recurrent-state slots, gets a field beside the slider (its
+range, projection and GiB drawn like the others); the field exists only when the model has
+the pool (``PoolsModel.has_state_pool``).
+
 The view only draws :class:`~moetray.ui.pools_model.PoolsModel` and forwards intents:
 moving the slider or a preset selects sizes in the model; Apply and Restart are emitted
 (``apply_clicked``, ``restart_clicked``) for the app, which calls the engine and hands the
@@ -16,6 +20,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QPushButton,
     QSlider,
+    QSpinBox,
     QVBoxLayout,
     QWidget,
 )
@@ -24,7 +29,9 @@ from moetray.ui.charts import SegmentBar
 from moetray.ui.format import DASH, fmt_bytes, fmt_int
 from moetray.ui.pools_model import PRESET_LABELS, PoolsModel
 
-MOE_COLOR, KV_COLOR = "#3daee9", "#27ae60"
+MOE_COLOR, KV_COLOR, STATE_COLOR = "#3daee9", "#27ae60", "#8e44ad"
+RESPLIT_TITLE = "Re-split device memory between the expert cache and the KV cache"
+RESPLIT_TITLE_HYBRID = "Re-split device memory between the expert cache, the KV cache and the state pool"
 SEVERITY_STYLE = {
     "ok": "color: #1e8449;",
     "warning": "color: #b9770e;",
@@ -50,7 +57,8 @@ class PoolsView(QWidget):
         clayout.addWidget(self.usage_label)
         layout.addWidget(current)
 
-        resplit = QGroupBox("Re-split device memory between the expert cache and the KV cache")
+        resplit = QGroupBox(RESPLIT_TITLE)
+        self.resplit_box = resplit
         rlayout = QVBoxLayout(resplit)
         presets = QHBoxLayout()
         presets.addWidget(QLabel("Presets:"))
@@ -75,6 +83,20 @@ class PoolsView(QWidget):
         slider_row.addWidget(self.slider, 1)
         slider_row.addWidget(QLabel("more expert slots"))
         rlayout.addLayout(slider_row)
+        self.state_row = QWidget()
+        state_layout = QHBoxLayout(self.state_row)
+        state_layout.setContentsMargins(0, 0, 0, 0)
+        state_layout.addWidget(QLabel("Recurrent-state slots:"))
+        self.state_field = QSpinBox()
+        self.state_field.setToolTip(
+            "One slot holds one running request's recurrent state, or one snapshot a follow-up turn "
+            "resumes from")
+        self.state_field.valueChanged.connect(self._state_changed)
+        state_layout.addWidget(self.state_field)
+        self.state_hint = QLabel(DASH)
+        state_layout.addWidget(self.state_hint, 1)
+        self.state_row.setVisible(False)
+        rlayout.addWidget(self.state_row)
         self.limits_label = QLabel(DASH)
         self.limits_label.setStyleSheet("color: #7f8c8d; font-size: 8pt;")
         rlayout.addWidget(self.limits_label)
@@ -82,7 +104,8 @@ class PoolsView(QWidget):
         self.projection_label.setWordWrap(True)
         rlayout.addWidget(self.projection_label)
         self.split_bar = SegmentBar()
-        self.split_bar.setToolTip("Of the pools' budget: expert cache (blue), KV cache (green), unused")
+        self.split_bar.setToolTip(
+            "Of the pools' budget: expert cache (blue), KV cache (green), state pool (purple), unused")
         rlayout.addWidget(self.split_bar)
 
         buttons = QHBoxLayout()
@@ -126,6 +149,11 @@ class PoolsView(QWidget):
                 and value != self.model.selection.moe_slots:
             self.model.select_slots(value)
 
+    def _state_changed(self, value: int) -> None:
+        if self.model.has_state_pool and self.model.selection is not None \
+                and value != self.model.selection.state_slots:
+            self.model.select_state_slots(value)
+
     def _choose_preset(self, name: str) -> None:
         if any(n == name for n, _ in self.model.presets):
             self.model.select_preset(name)
@@ -140,25 +168,36 @@ class PoolsView(QWidget):
             self.current_label.setText("No pool sizes reported.")
             self.usage_label.setText("")
         else:
+            state = (f" &nbsp;&nbsp; State pool: <b>{fmt_int(current.state_slots)} slots</b>"
+                     f" · {fmt_bytes(current.state_bytes)}") if m.has_state_pool else ""
             self.current_label.setText(
                 f"Expert cache: <b>{fmt_int(current.moe_slots)} slots</b> · {fmt_bytes(current.moe_bytes)}"
                 f" &nbsp;&nbsp; KV cache: <b>{fmt_int(current.kv_tokens)} tokens</b>"
-                f" ({fmt_int(current.kv_pages)} pages) · {fmt_bytes(current.kv_bytes)}")
+                f" ({fmt_int(current.kv_pages)} pages) · {fmt_bytes(current.kv_bytes)}{state}")
+            state_use = f" · state slots in use: {fmt_int(m.state_slots_used)}" if m.has_state_pool else ""
             self.usage_label.setText(
                 f"KV pages in use: {fmt_int(m.kv_pages_used)} · evictable prefix pages: "
-                f"{fmt_int(m.kv_pages_evictable)}")
+                f"{fmt_int(m.kv_pages_evictable)}{state_use}")
+        self.state_row.setVisible(m.has_state_pool)
+        self.resplit_box.setTitle(RESPLIT_TITLE_HYBRID if m.has_state_pool else RESPLIT_TITLE)
         if m.limits is not None:
             self.slider.blockSignals(True)
             self.slider.setRange(m.limits.moe_min, m.limits.moe_max)
             self.slider.blockSignals(False)
+            self.state_field.blockSignals(True)
+            self.state_field.setRange(m.limits.state_min, m.limits.state_max)
+            self.state_field.blockSignals(False)
+            state = f" · state slots {m.limits.state_min}–{m.limits.state_max}" if m.has_state_pool else ""
+            pools = "three" if m.has_state_pool else "two"
             self.limits_label.setText(
                 f"Expert slots {m.limits.moe_min}–{m.limits.moe_max} · KV pages "
-                f"{m.limits.kv_min}–{m.limits.kv_max} (limits from the engine's budget of "
-                f"{fmt_bytes(m.budget.net_bytes if m.budget else None)} for the two pools)")
+                f"{m.limits.kv_min}–{m.limits.kv_max}{state} (limits from the engine's budget of "
+                f"{fmt_bytes(m.budget.net_bytes if m.budget else None)} for the {pools} pools)")
         else:
             self.limits_label.setText(DASH)
         reason = m.disabled_reason
         self.slider.setEnabled(reason is None and m.has_moe_range)
+        self.state_field.setEnabled(reason is None and m.has_state_pool)
         for name, button in self.preset_buttons.items():
             button.setEnabled(reason is None and any(n == name for n, _ in m.presets))
         self.reason_label.setText(reason or "")
@@ -171,18 +210,27 @@ class PoolsView(QWidget):
         if proj is None:
             self.projection_label.setText(DASH)
             self.split_bar.set_segments(None, [])
+            self.state_hint.setText(DASH)
         else:
-            self.split_bar.set_segments(m.budget.net_bytes if m.budget else None,
-                                        [(proj.moe_bytes, MOE_COLOR), (proj.kv_bytes, KV_COLOR)])
+            segments = [(proj.moe_bytes, MOE_COLOR), (proj.kv_bytes, KV_COLOR)]
+            if m.has_state_pool:
+                segments.append((proj.state_bytes, STATE_COLOR))
+            self.split_bar.set_segments(m.budget.net_bytes if m.budget else None, segments)
             self.slider.blockSignals(True)
             self.slider.setValue(proj.moe_slots)
             self.slider.blockSignals(False)
+            self.state_field.blockSignals(True)
+            self.state_field.setValue(proj.state_slots)
+            self.state_field.blockSignals(False)
+            self.state_hint.setText(f"· {fmt_bytes(proj.state_bytes)}")
             budget = m.budget.net_bytes if m.budget else None
+            state = (f"<b>{fmt_int(proj.state_slots)} state slots</b> · {fmt_bytes(proj.state_bytes)}"
+                     " &nbsp;|&nbsp; ") if m.has_state_pool else ""
             self.projection_label.setText(
                 f"{'Selected' if m.dirty else 'Now'}: <b>{fmt_int(proj.moe_slots)} expert slots</b>"
                 f" · {fmt_bytes(proj.moe_bytes)} &nbsp;|&nbsp; <b>{fmt_int(proj.kv_tokens)} KV tokens</b>"
                 f" ({fmt_int(proj.kv_pages)} pages) · {fmt_bytes(proj.kv_bytes)} &nbsp;|&nbsp; "
-                f"{fmt_bytes(proj.total_bytes)} of {fmt_bytes(budget)}")
+                f"{state}{fmt_bytes(proj.total_bytes)} of {fmt_bytes(budget)}")
         matching = m.preset_matching()
         for name, button in self.preset_buttons.items():
             button.setChecked(name == matching)

@@ -247,9 +247,10 @@ class MemoryModel(_Model):
     @property
     def free_bytes(self) -> int | None:
         """Device memory used by nobody, when every term is known."""
-        if None in (self.total_bytes, self.engine_bytes, self.others_bytes):
+        total, engine, others = self.total_bytes, self.engine_bytes, self.others_bytes
+        if total is None or engine is None or others is None:
             return None
-        return max(0, self.total_bytes - self.engine_bytes - self.others_bytes)
+        return max(0, total - engine - others)
 
     def apply_snapshot(self, snap: Mapping[str, Any], t: float) -> bool:
         device = snap.get("device") or {}
@@ -557,12 +558,14 @@ class Sizes:
     moe_slots: int
     kv_pages: int
     kv_tokens: int
+    state_slots: int = 0  # recurrent-state slots; 0 on a model without the pool
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any] | None) -> Sizes | None:
         if not body:
             return None
-        return cls(int(body["moe_slots"]), int(body["kv_pages"]), int(body["kv_tokens"]))
+        return cls(int(body["moe_slots"]), int(body["kv_pages"]), int(body["kv_tokens"]),
+                   int(body.get("state_slots") or 0))
 
 
 OUTCOME_SEVERITY = {"applied": "ok", "rejected_intact": "warning", "rolled_back": "warning",
@@ -601,7 +604,8 @@ class ApplyOutcome:
     def text(self) -> str:
         """The outcome line the Pools panel shows."""
         def sizes(s: Sizes) -> str:
-            return f"{s.moe_slots} slots / {s.kv_tokens} KV tokens ({s.kv_pages} pages)"
+            state = f" / {s.state_slots} state slots" if s.state_slots else ""
+            return f"{s.moe_slots} slots / {s.kv_tokens} KV tokens ({s.kv_pages} pages){state}"
 
         head = {"applied": "Applied", "rejected_intact": "Rejected, nothing changed",
                 "rolled_back": "Rolled back to the old sizes", "latched": "LATCHED",

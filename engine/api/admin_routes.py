@@ -34,6 +34,9 @@ class RebuildBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     moe_slots: StrictInt | None = Field(default=None, ge=0)
     kv_tokens: StrictInt | None = Field(default=None, ge=0)
+    state_slots: StrictInt | None = Field(
+        default=None, ge=0, description="recurrent-state slots (hybrid models; other models: no_such_pool)"
+    )
     idle_timeout_s: StrictFloat | None = timeout_field(
         "idle_timeout_s", None, "how long to wait for running requests (default: the engine's)"
     )
@@ -62,7 +65,7 @@ def build_router(
 
     @router.get("/health")
     async def health() -> dict[str, Any]:
-        return engine.health()
+        return dict(engine.health())
 
     @router.get("/admin/status")
     async def status() -> dict[str, Any]:

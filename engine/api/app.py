@@ -19,7 +19,9 @@ The OpenAPI schema is completed by ``openapi.py``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -69,7 +71,7 @@ class SecurityMiddleware:
 
 def load_message(engine: Engine) -> str:
     """What a client asking ``/v1/*`` during the load is told: the stage and how far it got."""
-    progress = engine.loading.progress or {}
+    progress: Mapping[str, Any] = engine.loading.progress or {}
     stage = progress.get("stage") or "starting"
     done, total = progress.get("done"), progress.get("total")
     counted = f" ({done}/{total})" if total else ""
@@ -169,13 +171,13 @@ def build_app(
             exc.status_code, "invalid_request_error"
         )
         message = str(exc.detail)
+        headers = dict(exc.headers) if exc.headers is not None else None
         if kind == "not_found":
             message = f"no route {request.url.path}"
         elif kind == "method_not_allowed":
-            message = (
-                f"{request.method} is not allowed on {request.url.path} (Allow: {exc.headers.get('Allow')})"
-            )
-        return refusal_response(kind, message, headers=exc.headers)
+            allow = (headers or {}).get("Allow")
+            message = f"{request.method} is not allowed on {request.url.path} (Allow: {allow})"
+        return refusal_response(kind, message, headers=headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):

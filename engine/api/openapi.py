@@ -190,4 +190,4 @@ def document(app: FastAPI, credentials: Credentials) -> None:
             app.openapi_schema = build_schema(app, credentials)
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the schema

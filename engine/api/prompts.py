@@ -52,7 +52,7 @@ def _shrink(normalizer: Mapping[str, Any] | None) -> float | None:
         if pattern is None or not content:
             return None  # a regex or a deletion can remove any amount of text
         return max(1.0, len(pattern.encode()) / len(content.encode()))
-    return _NORMALIZER_SHRINK.get(kind)
+    return _NORMALIZER_SHRINK.get(kind) if isinstance(kind, str) else None
 
 
 def _keeps_text(pre: Mapping[str, Any] | None) -> bool:

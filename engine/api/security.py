@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,16 +212,16 @@ def read_secret(path: Path) -> str:
     return text[0].strip()
 
 
-def api_key_from(*, flag: str | None, file: Path | None, env: dict[str, str] | None = None) -> str | None:
+def api_key_from(*, flag: str | None, file: Path | None, env: Mapping[str, str] | None = None) -> str | None:
     """The key ``/v1/*`` requires: ``--api-key-file``, else ``--api-key``, else ``MOETRAY_API_KEY``."""
-    env = os.environ if env is None else env
+    environ = os.environ if env is None else env
     if file is not None:
         return read_secret(file)
-    return flag or env.get(API_KEY_ENV) or None
+    return flag or environ.get(API_KEY_ENV) or None
 
 
 def load_credentials(
-    *, api_key: str | None, port: int, env: dict[str, str] | None = None, token_dir: Path | None = None
+    *, api_key: str | None, port: int, env: Mapping[str, str] | None = None, token_dir: Path | None = None
 ) -> Credentials:
     """The API key (``api_key``, else ``MOETRAY_API_KEY``) and the admin token. The admin token:
     ``MOETRAY_ADMIN_TOKEN``, else the file ``MOETRAY_ADMIN_TOKEN_FILE`` names, else a fresh one
@@ -228,11 +229,11 @@ def load_credentials(
     directory) after removing the token files of engines whose PID is dead. The caller
     removes that file at a clean exit (:meth:`Credentials.forget`).
     """
-    env = os.environ if env is None else env
-    key = api_key or env.get(API_KEY_ENV) or None
-    token = env.get(ADMIN_TOKEN_ENV) or None
-    if token is None and env.get(ADMIN_TOKEN_FILE_ENV):
-        token = read_secret(Path(env[ADMIN_TOKEN_FILE_ENV]))
+    environ = os.environ if env is None else env
+    key = api_key or environ.get(API_KEY_ENV) or None
+    token = environ.get(ADMIN_TOKEN_ENV) or None
+    if token is None and environ.get(ADMIN_TOKEN_FILE_ENV):
+        token = read_secret(Path(environ[ADMIN_TOKEN_FILE_ENV]))
     if token is not None:
         return Credentials(admin_token=token, api_key=key, token_file=None)
     token = secrets.token_urlsafe(32)

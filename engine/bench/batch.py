@@ -48,6 +48,7 @@ def main(argv: list[str]) -> int:
 
     from moetray.engine.bench.results import write_receipt
     from moetray.engine.bench.serve import ensure_bench_model
+    from moetray.engine.experts import grouped as grouped_module
     from moetray.engine.experts import load_offloaded_model, load_resident_model
     from moetray.engine.experts import runtime as runtime_module
 
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
     offloaded = load_offloaded_model(checkpoint, capacity=1)
     rt = offloaded.runtime
     rt.resize(rt.num_layers * rt.num_experts)  # every expert resident, as in the stock rows
-    share_min = runtime_module.PARALLEL_MIN_GROUPS
+    share_min = grouped_module.PARALLEL_MIN_GROUPS
     never = 1 << 30
 
     def select(model, *, impl: str | None = None, compute: str | None = None, share: bool = True):
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
                 model.set_experts_implementation(impl)
             if compute is not None:
                 rt.compute = compute
-            runtime_module.PARALLEL_MIN_GROUPS = share_min if share else never
+            grouped_module.PARALLEL_MIN_GROUPS = share_min if share else never
             return model
         return apply
 
@@ -126,7 +127,7 @@ def main(argv: list[str]) -> int:
     finally:
         for manager in managers.values():
             manager.stop(block=True, timeout=30)
-        runtime_module.PARALLEL_MIN_GROUPS = share_min
+        grouped_module.PARALLEL_MIN_GROUPS = share_min
         rt.compute = runtime_module.DEFAULT_COMPUTE
 
     table, results = [], []
@@ -146,7 +147,7 @@ def main(argv: list[str]) -> int:
     ok = all(r["identical"] for r in results)
     params = {"model": str(checkpoint), "threads": args.threads, "batch": batches,
               "max_tokens": args.max_tokens, "rounds": args.rounds, "page_size": 16, "max_batch_tokens": 256,
-              "parallel_max_rows": runtime_module.PARALLEL_MAX_ROWS, "parallel_min_groups": share_min}
+              "parallel_max_rows": grouped_module.PARALLEL_MAX_ROWS, "parallel_min_groups": share_min}
     path = write_receipt(
         "batch", params=params, results={"rows": results, "token_identical": ok},
         columns=["row", "tok/s (wall)", "CPU ms / token", "× stock grouped_mm",

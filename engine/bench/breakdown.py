@@ -76,7 +76,7 @@ class BreakdownTotals:
         n = self.decode_steps
         if not n:
             return {**dict.fromkeys(CATEGORIES), "step": None}
-        out = {k: v / n * 1e3 for k, v in self.decode_parts_s.items()}
+        out: dict[str, float | None] = {k: v / n * 1e3 for k, v in self.decode_parts_s.items()}
         out["step"] = self.decode_wall_s / n * 1e3
         return out
 

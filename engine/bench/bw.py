@@ -171,9 +171,10 @@ def main(argv: list[str]) -> int:
         "backend": profile.backend, "backend_standalone": standalone_backend,
         "fetch_fraction": profile.fetch_fraction, "profile_path": path,
     }
-    rows = [["link (" + ("pinned H2D" if cuda else "memcpy") + ")", link["gbs"], link_ov["gbs"]],
-            ["link pageable H2D", pageable["gbs"] if pageable else None, None],
-            ["CPU expert forward", cpu["gbs"], cpu_ov["gbs"]]]
+    rows: list[list[Any]] = [
+        ["link (" + ("pinned H2D" if cuda else "memcpy") + ")", link["gbs"], link_ov["gbs"]],
+        ["link pageable H2D", pageable["gbs"] if pageable else None, None],
+        ["CPU expert forward", cpu["gbs"], cpu_ov["gbs"]]]
     receipt = write_receipt(
         args.receipt or ("bw-cuda" if cuda else "bw"),
         params={"hidden": args.hidden, "inter": args.inter, "dtype": args.dtype, "window_experts": experts,

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "radix_cost": "moetray.engine.bench.radix_cost",  # radix verbs' cost as the tree grows
     "ui": "moetray.engine.bench.ui",  # the tray process's RSS and CPU, measured from outside
     "fuzz": "moetray.engine.bench.fuzz",  # schemathesis against the OpenAPI schema, every check
+    "soak": "moetray.engine.bench.soak",  # streams with disconnects and re-splits for minutes: RSS drift
 }
 
 

@@ -47,6 +47,7 @@ def run_formats(args, checkpoint: Path, workdir: Path, prompt: torch.Tensor, arg
     device = torch.device(args.device)
     rows: list[dict[str, Any]] = []
     models = []
+    fill_bytes: dict[str, int] = {}  # per format: what one expert fill moves (the GGUF store's row)
     for fmt in formats:
         path = workdir / f"{checkpoint.name}-{fmt}.gguf"
         if not path.exists():
@@ -65,11 +66,12 @@ def run_formats(args, checkpoint: Path, workdir: Path, prompt: torch.Tensor, arg
             fetch_fraction=args.fetch_fraction,
         )
         models.append((fmt, om, total, path))
+        fill_bytes[fmt] = store.link_bytes(0)
         _progress(
             f"loaded {fmt}: store {store.format}, {store.total_bytes / 2**20:.1f} MiB host, "
             f"{store.link_bytes(0) / 2**10:.1f} KiB per expert fill"
         )
-    runs: dict[tuple[str, float], dict[str, list]] = {}
+    runs: dict[tuple[str, float], dict[str, Any]] = {}
     for rep in range(args.repeats):  # round-robin, so load drift on a shared box hits every row alike
         for fmt, om, total, _ in models:
             rt = om.runtime
@@ -109,7 +111,7 @@ def run_formats(args, checkpoint: Path, workdir: Path, prompt: torch.Tensor, arg
                     "runs_tok_s": rec["tok_s"],
                     "wall_tok_s": statistics.median(rec["wall"]),
                     "bytes_per_token": statistics.median(rec["bpt"]),
-                    "expert_fill_bytes": om.store.link_bytes(0),
+                    "expert_fill_bytes": fill_bytes[fmt],
                     "store_bytes": om.store.total_bytes,
                     "file_bytes": path.stat().st_size,
                     "identical_to_full": rec["tokens"] == full,

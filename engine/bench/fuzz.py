@@ -137,6 +137,7 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     model = args.model or ensure_bench_model()
     logdir = args.logdir or Path(tempfile.mkdtemp(prefix="moetray-fuzz-"))
+    logdir.mkdir(parents=True, exist_ok=True)  # a --logdir given may not exist yet
     child = start_moetray(
         model, kv_tokens=args.kv_tokens, budget=256 << 20, threads=args.threads, prefix="radix",
         logdir=logdir, page=16, batch_tokens=64,

@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,8 @@ def make_checkpoint(dest: Path, *, hidden: int, inter: int, layers: int, experts
 
     if (dest / "config.json").exists():
         return dest
-    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # accepted: transformers' typed __init__ omits the head_dim it takes
+                            vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                             num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
                             intermediate_size=inter * 4, moe_intermediate_size=inter,
                             num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
@@ -135,6 +137,18 @@ class _ModuleLink:
             self.link.transfer(nbytes)
             self.bytes += nbytes
         return hook
+
+    def moved(self) -> int:
+        return self.bytes
+
+    def slept_s(self) -> float:
+        return self.link.slept_s
+
+
+def _replayed(replay: _Replay, select: Callable[[], Any]) -> Any:
+    """A row's ``select`` that first restarts the routing trace."""
+    replay.reset()
+    return select()
 
 
 class _Replay:
@@ -285,7 +299,7 @@ def main(argv: list[str]) -> int:
     _progress("loading: resident")
     resident = load_resident_model(checkpoint, device=device, experts_implementation="eager")
     configs = [_Config(f"resident {impl}", "resident", resident,
-                       select=lambda impl=impl: resident.set_experts_implementation(impl))
+                       select=partial(resident.set_experts_implementation, impl))
                for impl in ("eager", "grouped_mm")]
     offload_dirs = []
     if not args.skip_accelerate:
@@ -296,8 +310,7 @@ def main(argv: list[str]) -> int:
             # On a GPU the hook's copies cross the real link; the emulated one only stands in for it.
             link = _ModuleLink(model, args.link_gbps or float("inf"), args.experts * expert_bytes)
             configs.append(_Config(f"accelerate → {target}", "accelerate", model,
-                                   link_bytes=lambda link=link: link.bytes,
-                                   link_slept=lambda link=link: link.link.slept_s))
+                                   link_bytes=link.moved, link_slept=link.slept_s))
     _progress("loading: moetray (one model; the slot pool is resized between rows)")
     om = load_offloaded_model(checkpoint, device=device, capacity=total_experts, link_gbps=args.link_gbps,
                               fetch_fraction=args.fetch_fraction)
@@ -311,7 +324,7 @@ def main(argv: list[str]) -> int:
     for fraction in FRACTIONS:
         capacity = max(1, round(fraction * total_experts))
         configs.append(_Config(f"moetray {fraction:.0%}", "moetray", om.model,
-                               select=lambda c=capacity: moetray_select(c, compute),
+                               select=partial(moetray_select, capacity, compute),
                                after_warmup=rt.reset_window,
                                link_bytes=lambda: rt.total_bytes,
                                link_slept=lambda: rt.throttle.slept_s if rt.throttle else 0.0,
@@ -344,7 +357,7 @@ def main(argv: list[str]) -> int:
                 replays[id(cfg.model)] = _Replay(trace, cfg.model)
         for cfg in configs:
             replay, select = replays[id(cfg.model)], cfg.select
-            cfg.select = lambda replay=replay, select=select: (replay.reset(), select())
+            cfg.select = partial(_replayed, replay, select)
         _progress(f"replaying routing trace {trace.name} ({len(trace.tokens)} tokens)")
 
     for rep in range(args.repeats):  # round-robin, so load drift on a shared box hits every row alike

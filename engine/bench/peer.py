@@ -177,7 +177,8 @@ def _run_moetray(model: Path, args) -> dict[str, Any]:
                 state = httpx.get(f"{url}/health", timeout=2).json()["state"]
             except httpx.HTTPError:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"moetray serve exited: {proc.stderr.read()[-2000:]}") from None
+                    err = proc.stderr.read() if proc.stderr is not None else ""
+                    raise RuntimeError(f"moetray serve exited: {err[-2000:]}") from None
             time.sleep(0.2)
         if state != "serving":
             raise RuntimeError(f"moetray serve never served {model} (state {state})")

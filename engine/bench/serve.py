@@ -80,8 +80,7 @@ def ensure_bench_model(path: Path | None = None) -> Path:
         hidden_size=256,
         num_hidden_layers=4,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        num_key_value_heads=2,  # head_dim: hidden_size / num_attention_heads = 64
         moe_intermediate_size=256,
         intermediate_size=512,
         num_experts=16,
@@ -245,17 +244,28 @@ def start_transformers(
 # --- load generation --------------------------------------------------------------------------
 
 
-async def _chat(client: httpx.AsyncClient, url: str, model: str, messages, max_tokens: int) -> dict[str, Any]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+async def _chat(
+    client: httpx.AsyncClient, url: str, model: str, messages, max_tokens: int, extra: dict | None = None
+) -> dict[str, Any]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **(extra or {})}
     r = await client.post(f"{url}/v1/chat/completions", json=body)
     r.raise_for_status()
     return r.json()
 
 
 async def throughput(
-    url: str, model: str, *, concurrency: int, requests: int, max_tokens: int, tag: str
+    url: str,
+    model: str,
+    *,
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    tag: str,
+    extra: dict | None = None,
 ) -> dict[str, Any]:
-    """Completion tokens per second for ``requests`` distinct prompts, ``concurrency`` at a time."""
+    """Completion tokens per second for ``requests`` distinct prompts, ``concurrency`` at a time.
+
+    ``extra`` fields go into every request body (``ignore_eos`` for a fixed token count)."""
     sem = asyncio.Semaphore(concurrency)
     tokens: list[int] = []
 
@@ -264,7 +274,7 @@ async def throughput(
             msg = [
                 {"role": "user", "content": f"{tag} request {i}: tell me about experts, caches and pages."}
             ]
-            reply = await _chat(client, url, model, msg, max_tokens)
+            reply = await _chat(client, url, model, msg, max_tokens, extra)
             tokens.append(int(reply["usage"]["completion_tokens"]))
 
     async with httpx.AsyncClient(timeout=600.0) as client:
@@ -449,11 +459,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--logdir", type=Path, default=None)
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="serve a generated hybrid (Gated DeltaNet + attention) model: state snapshots vs cold, "
+        "throughput vs transformers' generate (receipt serve-hybrid)",
+    )
     return p
 
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if args.hybrid:
+        from moetray.engine.bench.serve_hybrid import run
+
+        return run(args)
     from transformers import AutoTokenizer
 
     from moetray.engine.bench.results import write_receipt
@@ -551,7 +571,8 @@ def main(argv: list[str]) -> int:
         runs = results["throughput"].get(name, {}).get(str(c))
         return statistics.median(r[key] for r in runs) if runs else None
 
-    rows, notes = [], []
+    rows: list[list[Any]] = []  # [label, moetray, stock, ratio]
+    notes: list[str] = []
     for c in (1, 4, 8):
         a, b = med("moetray", c), med("transformers serve", c)
         rows.append([f"aggregate tok/s, concurrency {c}", a, b, (a / b) if a and b else None])

@@ -81,7 +81,7 @@ class Trace:
             if t == 0:
                 continue
             for layer, ids in enumerate(layers):
-                recent = set()
+                recent: set[int] = set()
                 for past in self.tokens[max(0, t - window):t]:
                     recent.update(past[layer])
                 seen += sum(1 for e in set(ids) if e in recent)
@@ -217,7 +217,8 @@ def random_init_trace(tokens: int = 256, seed: int = 0) -> Trace:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # accepted: transformers' typed __init__ omits the head_dim it takes
+                            vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                             num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                             num_experts=64, num_experts_per_tok=8, max_position_embeddings=2048,
                             decoder_sparse_step=1, mlp_only_layers=[])
@@ -669,6 +670,6 @@ def main(argv: list[str]) -> int:
                          columns=columns, rows=table, title="Expert-cache policies against Belady MIN",
                          notes=notes)
     print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
-    for trace, g in goals.items():
-        print(f"  {trace}: {g}")
+    for trace_name, g in goals.items():
+        print(f"  {trace_name}: {g}")
     return 0

@@ -8,6 +8,11 @@ hooks the substrate offers, one module per concern:
 - ``sampling`` — the sampling stages installed as the manager's logits processors.
 - ``prefix`` — which prefix policy a model gets, and the radix-decided ledger and scheduler.
 - ``kv`` — KV costing from the model geometry, and the lazily zeroed CPU pool.
+- ``state`` — a hybrid model's recurrent-state pool: its costing, the state allocator beside
+  the KV allocators, and the snapshot-aware radix ledger.
+- ``hybrid`` — the hybrid paged cache and scheduler, and the start-up swap that lets the
+  substrate build them for a model with linear-attention layers.
+- ``recurrent`` — the linear-attention seam: Gated DeltaNet layers computing in the state pool.
 
 May import torch, transformers (its internals included: only this package and
 ``engine/experts/hf.py`` do) and ``moetray.policy``; never the HTTP layer or the tray.
@@ -22,8 +27,9 @@ from moetray.engine.cb.prefix import (
     RadixScheduler,
     choose_prefix_policy,
 )
-from moetray.engine.cb.runner import BatchRunner, KVStats, LiveRequest, RunnerConfig
+from moetray.engine.cb.runner import BatchRunner, KVStats, LiveRequest, RunnerConfig, StateStats
 from moetray.engine.cb.sampling import Sampling, needs_processors, sampling_kwargs, seeded_uniform
+from moetray.engine.cb.state import StateGeometry, UnsupportedLayers, refuse_unservable_layers
 
 __all__ = [
     "PREFIX_POLICIES",
@@ -36,9 +42,13 @@ __all__ = [
     "RadixScheduler",
     "RunnerConfig",
     "Sampling",
+    "StateGeometry",
+    "StateStats",
+    "UnsupportedLayers",
     "kv_bytes_per_page",
     "kv_overhead_bytes",
     "needs_processors",
+    "refuse_unservable_layers",
     "sampling_kwargs",
     "seeded_uniform",
 ]

@@ -1,4 +1,7 @@
-"""KV costing: bytes per page and the substrate's fixed overhead, and a lazily zeroed CPU pool.
+"""KV costing: bytes per page and the substrate's fixed overhead, a lazily zeroed CPU pool, and
+the heap a retired batch loop leaves, handed back.
+
+(The recurrent-state pool of hybrid models is priced beside its allocator, in ``state``.)
 
 ``pool_budget`` prices KV pages with these numbers before any pool exists, so they follow the
 substrate's own sizing rules (``PagedAttentionMemoryHandler``) from the model geometry.
@@ -6,6 +9,7 @@ substrate's own sizing rules (``PagedAttentionMemoryHandler``) from the model ge
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -13,8 +17,11 @@ import torch
 
 
 def kv_bytes_per_page(config, *, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of KV one page holds across every layer (keys and values), from the model geometry."""
+    """Bytes of KV one page holds across every attention layer (keys and values), from the model
+    geometry; a hybrid's linear-attention layers keep no KV (their state is priced in ``state``)."""
     from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+
+    from moetray.engine.cb.state import attention_layers
 
     text = config.get_text_config()
     return (
@@ -23,7 +30,7 @@ def kv_bytes_per_page(config, *, page_size: int, dtype: torch.dtype) -> int:
         * find_head_dim(text)
         * torch.empty((), dtype=dtype).element_size()
         * page_size
-        * text.num_hidden_layers
+        * len(attention_layers(text))
     )
 
 
@@ -98,8 +105,25 @@ def lazily_zeroed_cpu_cache(device: torch.device) -> Iterator[None]:
                 return real.frombuffer(mmap.mmap(-1, size), dtype=real.uint8)
             return real.zeros(size, dtype=dtype, device=device)
 
-    cache_module.torch = _ZeroMappedTorch()
+    cache_module.torch = _ZeroMappedTorch()  # type: ignore[assignment]  # the substrate's module, patched for this block
     try:
         yield
     finally:
         cache_module.torch = real
+
+
+def return_freed_heap() -> None:
+    """Hand freed heap memory back to the kernel (glibc's ``malloc_trim``); elsewhere, nothing.
+
+    A stopped batch loop frees its buffers (the KV pool itself is an anonymous mapping and is
+    unmapped at once), but glibc keeps freed heap for reuse, and once an mmapped buffer is
+    freed it raises its mmap threshold, so later buffers of that size land on the heap too:
+    each KV re-split used to leave a few MiB of RSS behind (``moetray bench soak``). Costs
+    about a millisecond.
+    """
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)

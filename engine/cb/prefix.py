@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from transformers.generation.continuous_batching import RequestStatus
-from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 from transformers.generation.continuous_batching.cache_allocators.cache_allocator import BlockLedger
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
 
@@ -29,6 +28,8 @@ from moetray.policy.radix import RadixCache
 from moetray.policy.refused import Refused
 
 if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
     from moetray.engine.cb.runner import BatchRunner
 
 RADIX_SCHEDULER = "moetray_radix"
@@ -38,23 +39,32 @@ ledger (kept for the side-by-side measurement); ``off``: no prefix reuse at all.
 
 
 class PrefixPolicyRefused(Refused, ValueError):
-    """``radix_needs_full_attention``: radix was asked for by name on a model with other layers."""
+    """``radix_needs_full_attention``: radix was asked for by name on a model with sliding-window
+    layers; ``stock_prefix_cannot_resume_state``: the stock prefix cache was asked for on a hybrid
+    model, whose recurrent state only radix's snapshots can resume."""
 
-    KINDS = ("radix_needs_full_attention",)
+    KINDS = ("radix_needs_full_attention", "stock_prefix_cannot_resume_state")
 
 
 def choose_prefix_policy(requested: str | None, config) -> str:
     """The prefix policy a model is served with; decided from its config, before any weight loads.
 
-    ``None`` (the default) is ``radix`` when every layer is full attention, else ``stock``:
-    the substrate keeps sliding-window layers in per-request rings of blocks that the radix
-    tree cannot own (gpt-oss alternates them). Naming ``radix`` for such a model is refused
-    with ``PrefixPolicyRefused("radix_needs_full_attention")`` rather than served otherwise.
+    ``None`` (the default) is ``radix`` when every attention layer is full attention (a
+    hybrid's linear-attention layers keep no KV: their state is resumed from radix's
+    snapshots, ``state.py``), else ``stock``: the substrate keeps sliding-window layers in
+    per-request rings of blocks that the radix tree cannot own (gpt-oss alternates them).
+    Naming ``radix`` for such a model is refused with ``radix_needs_full_attention``, and
+    naming ``stock`` for a hybrid with ``stock_prefix_cannot_resume_state`` (shared KV blocks
+    without the state after them would decode garbage), rather than served otherwise.
     """
+    from moetray.engine.cb.state import attention_groups, linear_layers
+
     if requested is not None and requested not in PREFIX_POLICIES:
         raise ValueError(f"prefix_policy must be one of {PREFIX_POLICIES}, got {requested!r}")
-    groups = sorted(group_layers_by_attn_type(config.get_text_config()))
+    text = config.get_text_config()
+    groups = sorted(attention_groups(text))
     full_only = groups == ["full_attention"]
+    hybrid = bool(linear_layers(text))
     if requested is None:
         return "radix" if full_only else "stock"
     if requested == "radix" and not full_only:
@@ -64,7 +74,15 @@ def choose_prefix_policy(requested: str | None, config) -> str:
             "layers (leave --prefix-cache unset to serve it with the stock prefix cache)",
             groups=groups,
         )
+    if requested == "stock" and hybrid:
+        raise PrefixPolicyRefused(
+            "stock_prefix_cannot_resume_state",
+            "--prefix-cache stock cannot resume a hybrid model's recurrent state; leave --prefix-cache "
+            "unset (radix, with state snapshots) or pass off",
+            groups=groups,
+        )
     return requested
+
 
 class RadixLedger(BlockLedger):
     """The full-attention allocator's ledger, with ``policy.radix`` deciding evictions.
@@ -94,7 +112,7 @@ class RadixLedger(BlockLedger):
         super().__init__()
         self.page_size = page_size
         self.anchor_max_held_tokens = anchor_max_held_tokens
-        self.radix = RadixCache(page_size, slot_unit="page")
+        self.radix = self.new_tree()
         self.retention = AnchorRetention(self.radix, anchor_max_held_tokens)
         self.tree_blocks: set[int] = set()
         self.demand: Callable[[], int] | None = None  # blocks the pressure at hand needs
@@ -102,9 +120,13 @@ class RadixLedger(BlockLedger):
         self.anchor_outcomes: dict[str, int] = {}  # HoldOutcome value -> count
         self.anchors_released = {"turn": 0, "pressure": 0, "bound": 0}
 
+    def new_tree(self) -> RadixCache:
+        """The tree this ledger mirrors its blocks into (one page per block)."""
+        return RadixCache(self.page_size, slot_unit="page")
+
     def reset(self) -> None:
         super().reset()
-        self.radix = RadixCache(self.page_size, slot_unit="page")
+        self.radix = self.new_tree()
         self.retention = AnchorRetention(self.radix, self.anchor_max_held_tokens)
         self.tree_blocks = set()
 
@@ -143,7 +165,10 @@ class RadixLedger(BlockLedger):
         want = min(n_blocks, self.evictable_blocks)
         if want <= 0:
             return []
-        blocks = list(self.radix.evict(want * self.page_size))
+        return self.forget_blocks(list(self.radix.evict(want * self.page_size)))
+
+    def forget_blocks(self, blocks: list[int]) -> list[int]:
+        """The tree let go of ``blocks``: drop them from the cached set and forget their hashes."""
         for block in blocks:
             if block not in self.cached_blocks:
                 raise AssertionError(f"radix evicted block {block}, which the ledger does not hold as cached")
@@ -177,7 +202,9 @@ class RadixScheduler(FIFOScheduler):
 
     hooks: SchedulerHooks | None = None  # set by BatchRunner before the loop starts
 
-    def __init__(self, cache, safety_margin, max_requests_per_batch):
+    def __init__(
+        self, cache: PagedAttentionCache, safety_margin: float | None, max_requests_per_batch: int
+    ) -> None:
         super().__init__(cache, safety_margin, max_requests_per_batch)
         self._tracked: dict[str, _Tracked] = {}
 
@@ -367,6 +394,10 @@ class SchedulerHooks:
         delay = self._runner.config.step_delay_s
         if delay > 0:
             time.sleep(delay)
+
+    def anchor_token(self) -> int | None:
+        """The single-token tool-call opener this model's turns are anchored at, or None."""
+        return self._runner.config.anchor_token
 
     def prefix_matched(self, request_id: str, tokens: int) -> None:
         self._runner._cached_tokens[request_id] = tokens

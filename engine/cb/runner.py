@@ -6,15 +6,18 @@ interleaves prefill and decode, and its ``PagedAttentionCache`` is the KV pool w
 count ``pool_budget`` sizes. :class:`BatchRunner` creates a manager with a given block count
 and page size, adds / streams / cancels requests, pauses the loop (expert-pool resize) and
 stops it (KV-pool resize); the sampling stages (``sampling``) and the radix ledger
-(``prefix``) are installed into it here.
+(``prefix``) are installed into it here. A hybrid model (linear-attention layers) gets the
+state pool beside the KV pool (``state``, ``hybrid``) and its linear layers routed through it
+(``recurrent``); the two pools are sized, started and stopped together.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from transformers import GenerationConfig
@@ -24,7 +27,8 @@ from transformers.generation.continuous_batching.cache_allocators.cache_allocato
 from transformers.generation.continuous_batching.continuous_api import OutputRouter
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
-from moetray.engine.cb.kv import lazily_zeroed_cpu_cache
+from moetray.engine.cb.hybrid import HYBRID_SCHEDULER, HybridPagedCache, hybrid_substrate
+from moetray.engine.cb.kv import lazily_zeroed_cpu_cache, return_freed_heap
 from moetray.engine.cb.prefix import (
     PREFIX_POLICIES,
     RADIX_SCHEDULER,
@@ -32,7 +36,9 @@ from moetray.engine.cb.prefix import (
     SchedulerHooks,
     choose_prefix_policy,
 )
+from moetray.engine.cb.recurrent import install_linear_attention
 from moetray.engine.cb.sampling import Sampling, SamplingProcessors, sampling_kwargs
+from moetray.engine.cb.state import HybridLedger, StateGeometry
 
 log = logging.getLogger("moetray.engine.cb")
 
@@ -51,6 +57,19 @@ class KVStats:
 
 
 @dataclass(frozen=True)
+class StateStats:
+    """The recurrent-state pool in slots: ``used`` is live requests, filling snapshots and locked
+    snapshots; ``evictable`` snapshots (unlocked, in the radix tree) are not used."""
+
+    total: int
+    used: int
+    live: int
+    snapshots: int
+    evictable: int
+    free: int
+
+
+@dataclass(frozen=True)
 class LiveRequest:
     request_id: str
     state: str  # "queued" | "prefill" | "decode"
@@ -61,6 +80,7 @@ class LiveRequest:
 @dataclass
 class RunnerConfig:
     kv_pages: int
+    state_slots: int = 0  # recurrent-state slots (hybrid models only; 0 for every other model)
     page_size: int = 16
     max_batch_tokens: int = 256
     max_requests_per_batch: int = 32
@@ -77,6 +97,13 @@ class RunnerConfig:
 
 
 Handler = Callable[[GenerationOutput], None]
+
+
+def _router(manager: ContinuousBatchingManager) -> _TappingRouter:
+    """The manager's output router: the runner installs a ``_TappingRouter`` before the loop starts."""
+    router = manager.output_router
+    assert isinstance(router, _TappingRouter), type(router).__name__
+    return router
 
 
 class _TappingRouter(OutputRouter):
@@ -114,7 +141,6 @@ class _TappingRouter(OutputRouter):
             super().deliver_batch(to_loop)
 
 
-
 class BatchRunner:
     """One continuous-batching manager over a model, sized to ``kv_pages`` pages.
 
@@ -141,8 +167,15 @@ class BatchRunner:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Allocate the KV pool and start the generation thread. Raises on allocation failure."""
+        """Allocate the KV pool (and a hybrid's state pool) and start the generation thread.
+
+        Raises on allocation failure."""
         cfg = self.config
+        geometry = StateGeometry.from_config(self.model.config, self.model.dtype)
+        if geometry is not None:
+            if cfg.state_slots < 1:
+                raise ValueError(f"a hybrid model needs state slots to run, got {cfg.state_slots}")
+            install_linear_attention(self.model, geometry)
         eos = list(cfg.eos_token_ids) or [-1]
         gen = GenerationConfig(
             do_sample=False,
@@ -159,35 +192,46 @@ class BatchRunner:
             allow_block_sharing=cfg.prefix_policy != "off",
             use_async_batching=False,
             use_cuda_graph=False,  # expert offloading makes data-dependent copies; graphs cannot hold them
-            scheduler_type=RADIX_SCHEDULER,  # stock behaviour unless a RadixLedger is installed
+            # stock behaviour unless a RadixLedger is installed; a hybrid's adds the state half
+            scheduler_type=RADIX_SCHEDULER if geometry is None else HYBRID_SCHEDULER,
             safety_margin=cfg.safety_margin,
             auto_switch_to_flash=False,
         )
-        manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-        manager.logit_processor = SamplingProcessors()
-        manager.output_router = _TappingRouter()  # before warmup: the batch processor takes it there
-        try:
-            with lazily_zeroed_cpu_cache(self.model.device):
-                manager.warmup()  # builds the batch processor (and so the KV pool) on this thread
-            processor = manager.batch_processor
-            cache = processor.cache
-            if choose_prefix_policy(cfg.prefix_policy, self.model.config) == "radix":
-                allocator = cache.cache_allocators["full_attention"]
-                held = cfg.anchor_max_held_tokens
-                if held is None:
-                    held = cfg.kv_pages * cfg.page_size // 2
-                allocator.ledger = RadixLedger(cfg.page_size, anchor_max_held_tokens=held)
-            processor.scheduler.hooks = SchedulerHooks(self)
-            manager.start()
-        except BaseException:
-            manager.batch_processor = None
-            raise
+        substrate = nullcontext() if geometry is None else hybrid_substrate(geometry, cfg.state_slots)
+        with substrate:
+            manager = self.model.init_continuous_batching(
+                generation_config=gen, continuous_batching_config=cb
+            )
+            manager.logit_processor = SamplingProcessors()
+            manager.output_router = _TappingRouter()  # before warmup: the batch processor takes it there
+            try:
+                with lazily_zeroed_cpu_cache(self.model.device):
+                    manager.warmup()  # builds the batch processor (and so the KV pool) on this thread
+                processor = manager.batch_processor
+                cache = processor.cache
+                if choose_prefix_policy(cfg.prefix_policy, self.model.config) == "radix":
+                    allocator = cache.cache_allocators["full_attention"]
+                    held = cfg.anchor_max_held_tokens
+                    if held is None:
+                        held = cfg.kv_pages * cfg.page_size // 2
+                    if isinstance(cache, HybridPagedCache):
+                        allocator.ledger = HybridLedger(
+                            cfg.page_size, state_pool=cache.states.pool, anchor_max_held_tokens=held
+                        )
+                    else:
+                        allocator.ledger = RadixLedger(cfg.page_size, anchor_max_held_tokens=held)
+                processor.scheduler.hooks = SchedulerHooks(self)
+                manager.start()
+            except BaseException:
+                manager.batch_processor = None
+                raise
         self.manager = manager
         log.info(
-            "KV pool ready: %d pages of %d tokens (%s prefix policy)",
+            "KV pool ready: %d pages of %d tokens (%s prefix policy)%s",
             self.kv_pages,
             cfg.page_size,
             cfg.prefix_policy,
+            "" if geometry is None else f"; {cfg.state_slots} state slots of {geometry.bytes_per_slot} B",
         )
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -199,6 +243,9 @@ class BatchRunner:
             manager.stop(block=True, timeout=timeout)
         manager.batch_processor = None
         manager.destroy()
+        del manager
+        gc.collect()  # the manager is a reference cycle: its buffers are freed here, not at some later GC
+        return_freed_heap()
 
     @property
     def running(self) -> bool:
@@ -250,7 +297,7 @@ class BatchRunner:
         self._handlers[request_id] = on_output
         manager.register_result_handler(request_id, deliver)
         if on_progress is not None:
-            router = manager.output_router
+            router = _router(manager)
             with router._lock:  # noqa: SLF001 - the lock every router table change takes
                 router.taps[request_id] = on_progress
         added = manager.add_request(
@@ -281,22 +328,24 @@ class BatchRunner:
         self._handlers.pop(request_id, None)
         manager = self.manager
         if manager is not None:
-            with manager.output_router._lock:  # noqa: SLF001 - the router has no public unregister
-                manager.output_router.result_handlers.pop(request_id, None)
-                manager.output_router.taps.pop(request_id, None)
+            router = _router(manager)
+            with router._lock:  # noqa: SLF001 - the router has no public unregister
+                router.result_handlers.pop(request_id, None)
+                router.taps.pop(request_id, None)
 
     def _drop_tap(self, request_id: str) -> None:
         manager = self.manager
         if manager is not None:
-            with manager.output_router._lock:  # noqa: SLF001 - the router has no public unregister
-                manager.output_router.taps.pop(request_id, None)
+            router = _router(manager)
+            with router._lock:  # noqa: SLF001 - the router has no public unregister
+                router.taps.pop(request_id, None)
 
     def routing_counts(self) -> tuple[int, int] | None:
         """(outputs handed to the event loop, outputs tapped on the generation thread); None when stopped."""
         manager = self.manager
         if manager is None:
             return None
-        router = manager.output_router
+        router = _router(manager)
         return router.loop_outputs, router.tapped_outputs
 
     def sampling_steps(self) -> tuple[int, int] | None:
@@ -305,6 +354,7 @@ class BatchRunner:
         if manager is None:
             return None
         plist = manager.logit_processor
+        assert isinstance(plist, SamplingProcessors), "the runner installs its processors at start"
         return plist.steps_processed, plist.steps_skipped
 
     def cached_tokens(self, request_id: str) -> int:
@@ -336,6 +386,48 @@ class BatchRunner:
         if processor is None:
             return None
         return int(processor.cache.cache_tensor.nbytes)
+
+    def state_pool_bytes(self) -> int | None:
+        """Bytes the live state pool's tensors hold (0 without one); None when stopped."""
+        cache = self._cache()
+        if cache is None:
+            return None
+        if not isinstance(cache, HybridPagedCache):
+            return 0
+        pool = cache.states.pool
+        return sum(int(t.nbytes) for t in (*pool.conv.values(), *pool.recurrent.values()))
+
+    @property
+    def state_slots(self) -> int:
+        """State-pool slots (0 for a model without linear-attention layers)."""
+        cache = self._cache()
+        if isinstance(cache, HybridPagedCache):
+            return cache.states.pool.capacity
+        return self.config.state_slots
+
+    def _cache(self):
+        processor = self.manager.batch_processor if self.manager else None
+        return processor.cache if processor is not None else None
+
+    def state_stats(self) -> StateStats | None:
+        """The state pool's gauges; None for a model without one, or when stopped."""
+        cache = self._cache()
+        if not isinstance(cache, HybridPagedCache):
+            return None
+        states = cache.states
+        ledger = cache.ledger
+        snapshots = ledger.radix.state_count if ledger is not None else 0
+        evictable = ledger.radix.evictable_states if ledger is not None else 0
+        live = len(states.live)
+        total = states.pool.capacity
+        return StateStats(
+            total=total,
+            used=total - states.pool.free_count - evictable,
+            live=live,
+            snapshots=snapshots,
+            evictable=evictable,
+            free=states.pool.free_count,
+        )
 
     @property
     def ledger(self) -> BlockLedger | None:
@@ -396,6 +488,7 @@ class BatchRunner:
                 return
             allocator = next(iter(processor.cache.cache_allocators.values()))
             stats = self.kv_stats()
+            assert stats is not None  # the batch processor exists (checked above)
             owned = {b for table in allocator.block_table.values() for b in table}
             cached = set(allocator.ledger.cached_blocks)
             assert not (owned & cached), f"blocks both owned and cached: {sorted(owned & cached)}"
@@ -404,6 +497,16 @@ class BatchRunner:
                 f"!= total {stats.total}"
             )
             ledger = allocator.ledger
+            cache = processor.cache
+            if isinstance(cache, HybridPagedCache):
+                if isinstance(ledger, HybridLedger):
+                    ledger.check_states(cache.states)
+                else:
+                    held = len(cache.states.held_slots())
+                    assert held + cache.states.pool.free_count == cache.states.pool.capacity, (
+                        f"state pool: {held} held + {cache.states.pool.free_count} free "
+                        f"!= {cache.states.pool.capacity}"
+                    )
             if isinstance(ledger, RadixLedger):
                 ledger.radix.check_integrity()
                 ledger.retention.check_integrity()
@@ -413,4 +516,3 @@ class BatchRunner:
                 assert ledger.evictable_blocks <= len(cached), (
                     f"tree says {ledger.evictable_blocks} pages evictable, ledger holds {len(cached)} cached"
                 )
-

@@ -222,4 +222,3 @@ def sampling_kwargs(sampling: Sampling, *, prompt_len: int, eos: int | None) -> 
         if eos is not None:
             kwargs["eos"] = int(eos)
     return kwargs
-

@@ -175,7 +175,7 @@ def calibrate(dense, ids, recipe: DemoRecipe, progress: Progress = _quiet):
 
 def moe_config(dense_config, recipe: DemoRecipe):
     """The Qwen2-MoE or Mixtral config for the MoEfied model (rope θ, tying, eps carried over)."""
-    from transformers import MixtralConfig, Qwen2MoeConfig
+    from transformers import MixtralConfig, PretrainedConfig, Qwen2MoeConfig
 
     c = dense_config
     common = dict(
@@ -190,6 +190,7 @@ def moe_config(dense_config, recipe: DemoRecipe):
     )
     routed = c.intermediate_size - (recipe.shared_size if recipe.layout == "qwen2_moe" else 0)
     per_expert = routed // recipe.num_experts
+    cfg: PretrainedConfig
     if recipe.layout == "qwen2_moe":
         cfg = Qwen2MoeConfig(
             **common, intermediate_size=c.intermediate_size, moe_intermediate_size=per_expert,

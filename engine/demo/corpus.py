@@ -17,6 +17,7 @@ import ast
 import hashlib
 import re
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,7 +115,7 @@ class Corpus:
         return digest.hexdigest()
 
 
-def build_corpus(extra_heldout: list[Document] = (), root: Path | None = None) -> Corpus:
+def build_corpus(extra_heldout: Sequence[Document] = (), root: Path | None = None) -> Corpus:
     """Split the stdlib documents into calibration and held-out text (deterministic)."""
     docs = stdlib_documents(root)
     calibration = [d.text for d in docs if not d.heldout]

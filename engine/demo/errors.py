@@ -19,6 +19,8 @@ class DemoBuildError(Refused, RuntimeError):
     ``detail`` carries the underlying message (pip's stderr tail, the two digests …).
     """
 
+    detail: str  # set by ``Refused`` from the field of that name
+
     KINDS = ("pip_unavailable", "download_failed", "checksum_mismatch", "source_missing", "bad_recipe")
 
     def __init__(self, kind: str, detail: str) -> None:

@@ -180,7 +180,7 @@ def offload_loaded(model, store: ExpertStore, modules: list[torch.nn.Module], *,
 
 def _mean_link_bytes(store: ExpertStore) -> int:
     """Bytes one slot fill moves, averaged over the layers (a quantized file may mix types)."""
-    if not store.quantized:
+    if not isinstance(store, QuantizedExpertStore):
         return store.row_bytes
     return round(sum(store.link_bytes(layer) for layer in range(store.num_layers)) / store.num_layers)
 

@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 Q = GGMLQuantizationType
-PLAIN_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+PLAIN_TYPES: dict[int, torch.dtype] = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 """ggml types that hold values, not blocks."""
 SUPPORTED_GGML_TYPES = frozenset(
     {

@@ -12,8 +12,10 @@ so a new transformers minor version is checked in two places.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
+from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
 from transformers.integrations.gguf.dequant import _DEQUANT, GGML_BLOCK
@@ -27,6 +29,15 @@ from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
 
 DEFAULT_APPLY_GATE = _default_apply_gate
 """The stock ``_apply_gate`` (silu(gate) * up): a module that keeps it may take the fused path."""
+
+
+class ExpertsModule(Protocol):
+    """What the experts interface's function reads of transformers' fused experts module."""
+
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+    post_expert_norm: Callable[[torch.Tensor], torch.Tensor]  # present when has_post_expert_norm
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
 def register_experts_function(name: str, forward: Callable[..., torch.Tensor]) -> None:
@@ -43,7 +54,7 @@ def padded_grouped_output(device: torch.device) -> bool:
                                     torch.ones(1, dtype=torch.int32, device=device)))
 
 
-def key_renamer(model: torch.nn.Module) -> Callable[[str], str]:
+def key_renamer(model: PreTrainedModel) -> Callable[[str], str]:
     """checkpoint key → model key, by transformers' renaming rules for this model."""
     meta_sd = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)

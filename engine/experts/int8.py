@@ -22,7 +22,13 @@ from typing import NamedTuple
 
 import torch
 
-from moetray.engine.experts.store import ExpertGeometry, ExpertStore, ExpertStoreError, unpack_row
+from moetray.engine.experts.store import (
+    ExpertGeometry,
+    ExpertStore,
+    ExpertStoreError,
+    QuantizedExpertStore,
+    unpack_row,
+)
 
 __all__ = ["Int8ExpertStore", "Int8Layout", "Int8Weight", "int8_gemm"]
 
@@ -109,7 +115,8 @@ class Int8Layout:
 
 def _q8_0_only(store: ExpertStore) -> bool:
     """Every part of every layer's experts is stored as Q8_0 blocks."""
-    return all(set(codec.bytes_by_label()) == {"Q8_0"} for codec in store.codecs)
+    return isinstance(store, QuantizedExpertStore) and all(
+        set(codec.bytes_by_label()) == {"Q8_0"} for codec in store.codecs)
 
 
 def int8_gemm(states: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
@@ -155,7 +162,7 @@ class Int8ExpertStore(ExpertStore):
         for layer in range(source.num_layers):
             bank = torch.empty((source.layers[layer].num_experts, layout.row_bytes), dtype=torch.uint8)
             for expert in range(bank.shape[0]):
-                if source.quantized:
+                if isinstance(source, QuantizedExpertStore):
                     row = source.codecs[layer].decode(source.banks[layer][expert], torch.float32)
                 else:
                     row = source.row(layer, expert)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from moetray.engine.experts.hf import key_renamer
 from moetray.engine.experts.store import (
@@ -115,12 +116,13 @@ def refuse_quantized(config) -> str | None:
                           quant_method=method.split(" ")[0]) from exc
 
 
-def build_skeleton(checkpoint_dir: str | Path, dtype: torch.dtype, config=None):
+def build_skeleton(checkpoint_dir: str | Path | None, dtype: torch.dtype, config=None):
     """The model with every parameter on ``meta`` and its buffers real (on the CPU)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if config is None:
+        assert checkpoint_dir is not None, "a skeleton needs a checkpoint folder or a config"
         config = AutoConfig.from_pretrained(checkpoint_dir)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -206,7 +208,9 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
 
                     spath, skey = scales[key]
                     scale = open_file(spath).get_tensor(skey)
-                    tensor = dequantize_fp8(tensor.cpu(), scale, fp8_block(config))
+                    block = fp8_block(config)
+                    assert block is not None, "fine-grained FP8 scales come with the config's block size"
+                    tensor = dequantize_fp8(tensor.cpu(), scale, block)
                 converted = tensor.to(dtype=target.dtype)
                 if load_device == "cpu" and converted.data_ptr() == tensor.data_ptr():
                     # Still a view of the memory-mapped file: at the file's byte offset (GEMM
@@ -233,12 +237,13 @@ def load_skeleton_and_store(checkpoint_dir: str | Path, *, device: torch.device,
 
 def store_layers_of(experts: list[tuple[str, torch.nn.Module]]) -> list[StoreLayer]:
     """One :class:`StoreLayer` per Experts module, in MoE-layer order."""
-    return [StoreLayer(index=i, module_name=name, num_experts=int(mod.num_experts),
+    # An Experts module's num_experts is an int (nn.Module's __getattr__ is typed Tensor | Module).
+    return [StoreLayer(index=i, module_name=name, num_experts=int(mod.num_experts),  # type: ignore[arg-type]
                        geometry=ExpertGeometry.from_module(mod))
             for i, (name, mod) in enumerate(experts)]
 
 
-def assign_non_expert_weights(model: torch.nn.Module, state: dict[str, torch.Tensor],
+def assign_non_expert_weights(model: PreTrainedModel, state: dict[str, torch.Tensor],
                               experts: list[torch.nn.Module], device: torch.device) -> None:
     """Assign ``state`` (every non-expert tensor, by model key) to the meta skeleton, tie the
     embeddings where the config says so, drop the Experts modules' weight parameters and move the
@@ -258,7 +263,7 @@ def assign_non_expert_weights(model: torch.nn.Module, state: dict[str, torch.Ten
     if still_meta:
         raise LoaderError("missing_weights", f"checkpoint lacks {len(still_meta)} non-expert tensors, "
                           f"e.g. {still_meta[:3]} (missing {sorted(missing)[:3]})")
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers' wrapper of .to is typed for the model alone
     model.eval()
 
 
@@ -271,7 +276,7 @@ def load_resident_model(checkpoint_dir: str | Path, *, device: str | torch.devic
     from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
         checkpoint_dir, dtype=resolve_dtype(checkpoint_dir, dtype),
         experts_implementation=experts_implementation)
     model = model.to(dev).eval()

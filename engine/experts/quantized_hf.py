@@ -102,7 +102,8 @@ def expert_sources(
     for path, key, model_key in entries:
         by_key[model_key] = (path, key)
         by_key.setdefault(key, (path, key))
-    codecs, readers, claimed = [], [], set()
+    codecs, readers = [], []
+    claimed: set[str] = set()
     for layer in layers:
         build = _mxfp4_layer if method == "mxfp4" else _fp8_layer
         codec, reads = build(layer, by_key, fp8_block(config), open_file)
@@ -192,13 +193,14 @@ def _fp8_layer(layer: StoreLayer, by_key: dict, block, _open_file):
     parts, reads, src = [], [], 0
     for proj, (offset, shape) in targets.items():
         experts = [found.get((proj, e)) for e in range(layer.num_experts)]
-        if any(x is None for x in experts):
+        present = [x for x in experts if x is not None]
+        if len(present) < len(experts):
             raise ExpertStoreError(
                 "missing_expert_tensor", f"{layer.module_name}: {proj} FP8 weights missing"
             )
         decode, nbytes = fp8_block_decoder(shape[0], shape[1], block)
         parts.append(Part(src, nbytes, decode, _copy_into(offset, shape), "FP8"))
-        sources = [pair for _, path, key, spath, skey in experts for pair in ((path, key), (spath, skey))]
+        sources = [pair for _, path, key, spath, skey in present for pair in ((path, key), (spath, skey))]
 
         def read(open_file, experts=experts):
             rows = [

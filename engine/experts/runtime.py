@@ -12,7 +12,8 @@ already computed, from ``generate`` and from continuous batching alike. For each
 3. has :class:`~moetray.policy.moe.expert_slots.ExpertSlots` copy the misses from the host
    store into the slot pool (validated whole before any write);
 4. computes every routed expert from its slot, or from the host store when the plan sent it
-   to the CPU, with the arithmetic of one stock implementation (``compute``, below);
+   to the CPU, with the arithmetic of one stock implementation (``compute``, below; the
+   grouped path's GEMMs live in :mod:`moetray.engine.experts.grouped`);
 5. records per-layer hits, misses and bytes moved over a sliding window and in total.
 
 Two compute modes, each bit-identical in fp32 (on the CPU) to the stock implementation it
@@ -43,23 +44,28 @@ CUDA every MoE layer call has one device→host sync; planning is Python per cal
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from moetray.engine.experts.hf import DEFAULT_APPLY_GATE, padded_grouped_output, register_experts_function
+from moetray.engine.experts.grouped import Operands, grouped_output, operands, project
+from moetray.engine.experts.hf import (
+    DEFAULT_APPLY_GATE,
+    ExpertsModule,
+    padded_grouped_output,
+    register_experts_function,
+)
 from moetray.engine.experts.int8 import Int8ExpertStore, Int8Weight, int8_gemm
-from moetray.engine.experts.slots import LinkThrottle, SlotPool
+from moetray.engine.experts.slots import LinkThrottle, SlotPool, TorchSlotDevice
 from moetray.engine.experts.store import ExpertStore, unpack_row
 from moetray.policy.moe.expert_cache import DEFAULT_POLICY, ExpertCache
 from moetray.policy.moe.expert_slots import ExpertSlots, SlotDeviceError
+from moetray.policy.refused import Refused
 
 __all__ = [
     "COMPUTE_MODES",
@@ -87,10 +93,13 @@ _RUNTIME_ATTR = "_moetray_runtime"
 _LAYER_ATTR = "_moetray_layer"
 
 
-class UnknownComputeMode(ValueError):
+class UnknownComputeMode(Refused, ValueError):
     """A ``compute`` mode that is not one of :data:`COMPUTE_MODES` (``kind``: ``unknown_compute_mode``)."""
 
-    kind = "unknown_compute_mode"
+    KINDS = ("unknown_compute_mode",)
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unknown_compute_mode", message)
 
 
 def check_compute(compute: str | None) -> str:
@@ -102,14 +111,15 @@ def check_compute(compute: str | None) -> str:
     return mode
 
 
-class ResizeFault(RuntimeError):
+class ResizeFault(Refused, RuntimeError):
     """A resize that failed; ``kind`` is ``allocation_failed`` (before teardown, nothing
     changed) or ``injected_after_teardown`` (a test fault; the runtime kept its old pool)."""
 
-    def __init__(self, kind: str, message: str, *, torn_down: bool):
-        super().__init__(message)
-        self.kind = kind
-        self.torn_down = torn_down
+    KINDS = ("allocation_failed", "injected_after_teardown")
+    torn_down: bool  # whether the old pool was already released (set by ``Refused``)
+
+    def __init__(self, kind: str, message: str, *, torn_down: bool) -> None:
+        super().__init__(kind, message, torn_down=torn_down)
 
 
 class ExpertRuntime:
@@ -146,11 +156,11 @@ class ExpertRuntime:
         self.cache = ExpertCache(self.num_layers, self.num_experts, capacity, policy=self.policy)
         self.pool = SlotPool(capacity, store.row_numel, store.slot_dtype, self.device,
                              throttle=self.throttle, allocate=allocate)
-        self.slot_device = _TorchSlotDevice(self.pool, store.row_bytes)
+        self.slot_device = TorchSlotDevice(self.pool, store.row_bytes)
         self.slots = ExpertSlots(self.slot_device, store)
         self._slot_views = self._unpack_slots()
         self._slot_mats = self._gemm_operands()
-        self._bank_mats: dict[tuple[int, int], tuple] = {}
+        self._bank_mats: dict[tuple[int, int], Operands] = {}
         self._padded_out = padded_grouped_output(self.device)
         first = geo.segments[0].shape  # gate_up (or up) of one expert: [out, in], or [in, out] transposed
         self._proj_width = first[1] if geo.is_transposed else first[0]
@@ -189,7 +199,7 @@ class ExpertRuntime:
 
     # --- the forward ---------------------------------------------------------------------
 
-    def forward(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,
+    def forward(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Compute one MoE layer call with the arithmetic of the stock implementation named by
         :attr:`compute`; see the module docstring for the steps."""
@@ -197,7 +207,7 @@ class ExpertRuntime:
             return self._forward_grouped(module, layer, hidden_states, top_k_index, top_k_weights)
         return self._forward_eager(module, layer, hidden_states, top_k_index, top_k_weights)
 
-    def _forward_grouped(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,
+    def _forward_grouped(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The stock ``grouped_mm`` implementation's arithmetic over the slot pool.
 
@@ -246,21 +256,22 @@ class ExpertRuntime:
             self._record(layer, plan, self.pool.bytes_copied - moved, num_tokens)
 
             slot_mats, bank_mats = self._slot_mats, self._bank_operands
-            operands = [slot_mats[slot] if slot is not None else bank_mats(layer, expert)
-                        for (expert, _, _), slot in zip(groups, plan.slots, strict=True)]
-            on_device = list(zip(groups, operands, strict=True))
+            group_ops = [slot_mats[slot] if slot is not None else bank_mats(layer, expert)
+                         for (expert, _, _), slot in zip(groups, plan.slots, strict=True)]
+            on_device = list(zip(groups, group_ops, strict=True))
             if host_groups:
                 on_device = [item for i, item in enumerate(on_device) if i not in host_groups]
-            proj = self._grouped_out(pairs, self._proj_width, states)
-            _project(proj, states, [(lo, hi, w, b) for (_, lo, hi), (w, b, _, _) in on_device])
+            proj = grouped_output(pairs, self._proj_width, states, self._padded_out)
+            project(proj, states, [(lo, hi, w, b) for (_, lo, hi), (w, b, _, _) in on_device])
             if valid < pairs:
                 proj[valid:].zero_()
             proj = module._apply_gate(proj) if self.geometry.has_gate else module.act_fn(proj)
-            out = self._grouped_out(pairs, hidden_dim, states)
-            _project(out, proj, [(lo, hi, w, b) for (_, lo, hi), (_, _, w, b) in on_device])
-            for i in host_groups:
-                _, lo, hi = groups[i]
-                out[lo:hi].copy_(self._host_expert(module, operands[i], host_states[lo:hi]))
+            out = grouped_output(pairs, hidden_dim, states, self._padded_out)
+            project(out, proj, [(lo, hi, w, b) for (_, lo, hi), (_, _, w, b) in on_device])
+            if host_states is not None:  # the CPU share, when there is one
+                for i in host_groups:
+                    _, lo, hi = groups[i]
+                    out[lo:hi].copy_(self._host_expert(module, group_ops[i], host_states[lo:hi]))
             if valid < pairs:
                 out[valid:].zero_()
         if getattr(module, "has_post_expert_norm", False):
@@ -270,18 +281,9 @@ class ExpertRuntime:
         restored.index_copy_(0, perm, weighted)
         return restored.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
-    def _grouped_out(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-        """An output as the stock grouped GEMM allocates it (rows padded to 16 bytes when the
-        stock path runs PyTorch's grouped-mm kernel; plain rows under transformers' fallback)."""
-        if self._padded_out:
-            align = max(1, 16 // like.element_size())
-            stride = -(-cols // align) * align
-            return torch.empty_strided((rows, cols), (stride, 1), dtype=like.dtype, device=like.device)
-        return torch.empty((rows, cols), dtype=like.dtype, device=like.device)
-
-    def _host_expert(self, module: torch.nn.Module, operands: tuple, states: torch.Tensor) -> torch.Tensor:
+    def _host_expert(self, module: ExpertsModule, ops: Operands, states: torch.Tensor) -> torch.Tensor:
         """One expert of the CPU share on a CUDA device: computed by the CPU from the host store."""
-        w, bias, w_down, bias_down = operands
+        w, bias, w_down, bias_down = ops
         proj = int8_gemm(states, w) if type(w) is Int8Weight else states @ w
         if bias is not None:
             proj = proj + bias
@@ -296,23 +298,24 @@ class ExpertRuntime:
             self.cache.forget_slot(slot)
             self.slots.forget(slot)
 
-    def _bank_operands(self, layer: int, expert: int) -> tuple:
+    def _bank_operands(self, layer: int, expert: int) -> Operands:
         """``(layer, expert)``'s GEMM operands straight from the host store (cached views)."""
         ops = self._bank_mats.get((layer, expert))
         if ops is None:
-            ops = (self.store.operands(self.store.row(layer, expert)) if self._int8
-                   else _operands(self.store.weights(layer, expert), self.geometry))
+            store = self.store
+            ops = (store.operands(store.row(layer, expert)) if isinstance(store, Int8ExpertStore)
+                   else operands(store.weights(layer, expert), self.geometry))
             if not self.store.quantized:  # a quantized store decodes per call and keeps no copy
                 self._bank_mats[(layer, expert)] = ops
         return ops
 
-    def _gemm_operands(self) -> list[tuple]:
+    def _gemm_operands(self) -> list[Operands]:
         """Per slot, the grouped path's GEMM operands: views of the pool's rows (rebuilt with them)."""
-        if self._int8:
+        if isinstance(self.store, Int8ExpertStore):
             return [self.store.operands(self.pool.rows[slot]) for slot in range(self.pool.capacity)]
-        return [_operands(views, self.geometry) for views in self._slot_views]
+        return [operands(views, self.geometry) for views in self._slot_views]
 
-    def _forward_eager(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,
+    def _forward_eager(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The stock ``eager`` loop's arithmetic: one expert at a time, ascending ids, ``index_add_``."""
         num_experts = self.num_experts
@@ -394,7 +397,7 @@ class ExpertRuntime:
             self.trace.append((layer, tuple(routed)))
         return self.cache.ensure(layer, routed, fetch_limit=fetch_limit)
 
-    def _expert(self, module: torch.nn.Module, w: dict[str, torch.Tensor], current_state: torch.Tensor,
+    def _expert(self, module: ExpertsModule, w: dict[str, torch.Tensor], current_state: torch.Tensor,
                 routing_weight: torch.Tensor) -> torch.Tensor:
         """One expert on its tokens, in the stock eager implementation's op order."""
         if self._plain_swiglu and type(module)._apply_gate is DEFAULT_APPLY_GATE:
@@ -563,52 +566,6 @@ class ExpertRuntime:
                         raise CacheIntegrityError(f"slot {slot} bytes differ from expert {owner}'s row")
 
 
-class _TorchSlotDevice:
-    """The :class:`~moetray.policy.moe.expert_slots.SlotDevice` protocol over a :class:`SlotPool`.
-
-    ``reserve(n)`` pre-allocates the next pool so that :meth:`resize` (called by the executor
-    after the planner has committed to the new size) cannot fail for lack of memory.
-    """
-
-    def __init__(self, pool: SlotPool, row_bytes: int):
-        self.pool = pool
-        self._row_bytes = row_bytes  # what one write carries: the store's row (stored bytes)
-        self._reserved: torch.Tensor | None = None
-
-    @property
-    def slot_count(self) -> int:
-        return self.pool.capacity
-
-    @property
-    def row_bytes(self) -> int:
-        return self._row_bytes
-
-    def write_slot(self, slot: int, row: torch.Tensor) -> None:
-        self.pool.write(slot, row)
-
-    def copy_slot(self, dst: int, src: int) -> None:
-        self.pool.rows[dst].copy_(self.pool.rows[src])
-
-    def reserve(self, slot_count: int) -> None:
-        self._reserved = self.pool.allocate_rows(slot_count)
-
-    def release_reserved(self) -> None:
-        self._reserved = None
-
-    def resize(self, slot_count: int) -> None:
-        new = self._reserved if self._reserved is not None and self._reserved.shape[0] == slot_count \
-            else self.pool.allocate_rows(slot_count)
-        self._reserved = None
-        keep = min(slot_count, self.pool.capacity)
-        if keep:
-            new[:keep].copy_(self.pool.rows[:keep])
-        self.pool.replace_rows(new)
-
-    def flush(self) -> None:
-        """Copies are ordered before later kernels on the same CUDA stream; on the CPU every
-        copy was a synchronous memcpy. Either way nothing needs waiting for here."""
-
-
 def _select(expert: int, single: dict[int, int] | None, states: torch.Tensor, weights: torch.Tensor,
             mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``(token_idx, the expert's input rows, its routing weights)`` as the eager loop gathers
@@ -616,95 +573,9 @@ def _select(expert: int, single: dict[int, int] | None, states: torch.Tensor, we
     if single is not None:
         pos = single[expert]
         return None, states, weights[:, pos:pos + 1]
+    assert mask is not None, "the masks exist whenever the single-token slices do not"
     top_k_pos, token_idx = torch.where(mask[expert])
     return token_idx, states[token_idx], weights[token_idx, top_k_pos, None]
-
-
-def _operands(views: dict[str, torch.Tensor], geo) -> tuple:
-    """``(first, first_bias, down, down_bias)``: one expert's matrices as the right-hand side of
-    ``states @ matrix``, exactly as the stock grouped path hands them to its GEMM (a transposed
-    view for the ``[out, in]`` layout, the tensor itself for the transposed layout)."""
-    first = views["gate_up_proj" if geo.has_gate else "up_proj"]
-    down = views["down_proj"]
-    if not geo.is_transposed:
-        first, down = first.transpose(-2, -1), down.transpose(-2, -1)
-    return (first, views.get("gate_up_proj_bias" if geo.has_gate else "up_proj_bias"),
-            down, views.get("down_proj_bias"))
-
-
-PARALLEL_MAX_ROWS = 4
-"""Groups of at most this many rows are matrix-vector-like: the BLAS runs each on one thread,
-bound by reading the expert's weights. A batched step has many such groups (decode of several
-requests: one or two rows per routed expert), so the runtime shares them out over the torch
-thread budget itself: each group is still one ``mm`` on one thread, so the values are the same."""
-PARALLEL_MIN_GROUPS = 4
-"""Fewer small groups than this are run on the calling thread (a hand-off costs ~10-30 µs)."""
-
-_workers: ThreadPoolExecutor | None = None
-_workers_lock = threading.Lock()
-
-
-def _gemm_workers() -> ThreadPoolExecutor:
-    """The process's helper threads for :func:`_project` (made on first use, daemon-like: idle
-    threads hold nothing and end with the interpreter)."""
-    global _workers
-    with _workers_lock:
-        if _workers is None:
-            _workers = ThreadPoolExecutor(max_workers=max(1, min(7, (os.cpu_count() or 2) - 1)),
-                                          thread_name_prefix="moetray-gemm")
-        return _workers
-
-
-def _project(out: torch.Tensor, src: torch.Tensor, items: list[tuple]) -> None:
-    """One projection of the grouped path: ``out[lo:hi] = src[lo:hi] @ w (+ b)`` for every
-    ``(lo, hi, w, b)`` in ``items`` (disjoint row ranges, so any order gives the same tensor).
-
-    Small groups (≤ :data:`PARALLEL_MAX_ROWS` rows) are shared out round-robin over the torch
-    thread budget when there are at least :data:`PARALLEL_MIN_GROUPS` of them and gradients
-    are off; the rest run here. Mutates ``out`` only.
-    """
-    threads = torch.get_num_threads()
-    small = ([item for item in items if item[1] - item[0] <= PARALLEL_MAX_ROWS]
-             if threads > 1 and len(items) >= PARALLEL_MIN_GROUPS and src.device.type == "cpu"
-             and not torch.is_grad_enabled() else [])
-    if len(small) < PARALLEL_MIN_GROUPS:
-        gemm = _gemm_into if not torch.is_grad_enabled() else _gemm_into_autograd
-        for lo, hi, w, b in items:
-            gemm(out, lo, hi, src, w, b)
-        return
-    workers = _gemm_workers()
-    parts = min(threads, len(small) // 2, workers._max_workers + 1)  # noqa: SLF001 - our own pool
-    futures = [workers.submit(_gemm_many, out, src, small[i::parts]) for i in range(1, parts)]
-    try:
-        _gemm_many(out, src, [item for item in items if item[1] - item[0] > PARALLEL_MAX_ROWS])
-        _gemm_many(out, src, small[0::parts])
-    finally:
-        for future in futures:
-            future.result()
-
-
-def _gemm_many(out: torch.Tensor, src: torch.Tensor, items: list[tuple]) -> None:
-    for lo, hi, w, b in items:
-        _gemm_into(out, lo, hi, src, w, b)
-
-
-def _gemm_into(out: torch.Tensor, lo: int, hi: int, states: torch.Tensor, w: torch.Tensor,
-               bias: torch.Tensor | None) -> None:
-    """``out[lo:hi] = states[lo:hi] @ w (+ bias)``: the stock grouped kernel's ``mm_out`` for one group;
-    an :class:`Int8Weight` goes to the weight-only int8 kernel instead."""
-    if type(w) is Int8Weight:
-        out[lo:hi].copy_(int8_gemm(states[lo:hi], w))
-    else:
-        torch.mm(states[lo:hi], w, out=out[lo:hi])
-    if bias is not None:
-        out[lo:hi].add_(bias)
-
-
-def _gemm_into_autograd(out: torch.Tensor, lo: int, hi: int, states: torch.Tensor, w: torch.Tensor,
-                        bias: torch.Tensor | None) -> None:
-    """:func:`_gemm_into` where autograd records the call (``out=`` is not differentiable);
-    the same values: the product is computed by the same kernel, then copied into place."""
-    out[lo:hi] = torch.mm(states[lo:hi], w) if bias is None else torch.mm(states[lo:hi], w) + bias
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -718,7 +589,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 # --- the registered experts implementation ----------------------------------------------------
 
 
-def moetray_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def moetray_experts_forward(self: ExpertsModule, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers experts-interface entry point: ``[T, H], [T, k], [T, k] → [T, H]``."""
     runtime: ExpertRuntime | None = getattr(self, _RUNTIME_ATTR, None)

@@ -20,7 +20,7 @@ import torch
 
 from moetray.engine.experts.codecs import EncodedRow
 
-__all__ = ["LinkThrottle", "SlotPool"]
+__all__ = ["LinkThrottle", "SlotPool", "TorchSlotDevice"]
 
 
 class LinkThrottle:
@@ -151,3 +151,49 @@ class SlotPool:
 
 def _default_allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+class TorchSlotDevice:
+    """The :class:`~moetray.policy.moe.expert_slots.SlotDevice` protocol over a :class:`SlotPool`.
+
+    ``reserve(n)`` pre-allocates the next pool so that :meth:`resize` (called by the executor
+    after the planner has committed to the new size) cannot fail for lack of memory.
+    """
+
+    def __init__(self, pool: SlotPool, row_bytes: int):
+        self.pool = pool
+        self._row_bytes = row_bytes  # what one write carries: the store's row (stored bytes)
+        self._reserved: torch.Tensor | None = None
+
+    @property
+    def slot_count(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def row_bytes(self) -> int:
+        return self._row_bytes
+
+    def write_slot(self, slot: int, row: torch.Tensor) -> None:
+        self.pool.write(slot, row)
+
+    def copy_slot(self, dst: int, src: int) -> None:
+        self.pool.rows[dst].copy_(self.pool.rows[src])
+
+    def reserve(self, slot_count: int) -> None:
+        self._reserved = self.pool.allocate_rows(slot_count)
+
+    def release_reserved(self) -> None:
+        self._reserved = None
+
+    def resize(self, slot_count: int) -> None:
+        new = self._reserved if self._reserved is not None and self._reserved.shape[0] == slot_count \
+            else self.pool.allocate_rows(slot_count)
+        self._reserved = None
+        keep = min(slot_count, self.pool.capacity)
+        if keep:
+            new[:keep].copy_(self.pool.rows[:keep])
+        self.pool.replace_rows(new)
+
+    def flush(self) -> None:
+        """Copies are ordered before later kernels on the same CUDA stream; on the CPU every
+        copy was a synchronous memcpy. Either way nothing needs waiting for here."""

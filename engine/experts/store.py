@@ -389,7 +389,9 @@ class QuantizedExpertStore(ExpertStore):
                 counts[label] = counts.get(label, 0) + nbytes
         return "+".join(sorted(counts, key=lambda label: (-counts[label], label)))
 
-    def row(self, layer: int, expert: int) -> EncodedRow:
+    # A slot fill takes the encoded bytes; the base's readers of a Tensor row (weights,
+    # decoded_row) are overridden below, so no caller of this store sees the wider type.
+    def row(self, layer: int, expert: int) -> EncodedRow:  # type: ignore[override]
         return EncodedRow(self.banks[layer][expert], self.codecs[layer])
 
     def link_bytes(self, layer: int) -> int:

@@ -78,9 +78,21 @@ def _refuse_quantized(config) -> None:
         raise CheckpointError(exc.kind, str(exc), **exc.fields) from exc
 
 
+def _refuse_unservable_layers(config) -> None:
+    """``cb.refuse_unservable_layers`` as a :class:`CheckpointError` (``unsupported_layers``)."""
+    from moetray.engine.cb import UnsupportedLayers, refuse_unservable_layers
+
+    try:
+        refuse_unservable_layers(config)
+    except UnsupportedLayers as exc:
+        raise CheckpointError(exc.kind, str(exc), **exc.fields) from exc
+
+
 def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     """Reads a checkpoint folder's config and sidecar; loads no weights. Raises ``CheckpointError``
-    (``not_a_checkpoint``, ``unreadable_config``, ``quantized_checkpoint``, ``not_moe``)."""
+    (``not_a_checkpoint``, ``unreadable_config``, ``quantized_checkpoint``, ``not_moe``,
+    ``unsupported_layers``: a layer type the engine cannot serve, such as another family's
+    recurrent blocks)."""
     from transformers import AutoConfig
 
     from moetray.engine.models.files import is_gguf_path
@@ -98,9 +110,10 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     text = config.get_text_config()
     num_experts = _first_int(text, "num_experts", "num_local_experts", "n_routed_experts")
     top_k = _first_int(text, "num_experts_per_tok", "moe_topk", "top_k")
-    if num_experts is None or top_k is None:
-        raise CheckpointError("not_moe", f"{root} is not a mixture-of-experts checkpoint (no expert count)")
     inter = _first_int(text, "moe_intermediate_size", "intermediate_size")
+    if num_experts is None or top_k is None or inter is None:
+        raise CheckpointError("not_moe", f"{root} is not a mixture-of-experts checkpoint (no expert count)")
+    _refuse_unservable_layers(config)
     sidecar: dict[str, Any] = {}
     if (root / SIDECAR).is_file():
         sidecar = json.loads((root / SIDECAR).read_text())
@@ -110,6 +123,8 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         default_top_k = top_k
     arch = (config.architectures or [type(config).__name__])[0]
     label = sidecar.get("label") or f"{arch} ({num_experts} experts, top-{default_top_k})"
+    if text is not config and not sidecar.get("label"):
+        label += ", text only"  # a multimodal checkpoint: its language model is what is served
     return CheckpointInfo(
         path=root,
         model_id=sidecar.get("model_id") or root.name,
@@ -138,6 +153,9 @@ def _inspect_gguf(path: Path) -> CheckpointInfo:
     text = ck.config.get_text_config()
     num_experts = _first_int(text, "num_experts", "num_local_experts")
     top_k = _first_int(text, "num_experts_per_tok")
+    inter = _first_int(text, "moe_intermediate_size", "intermediate_size")
+    if num_experts is None or top_k is None or inter is None:
+        raise CheckpointError("not_moe", f"{path} is not a mixture-of-experts model (no expert count)")
     first = ck.files[0].name
     m = SPLIT_RE.match(first)
     model_id = m["stem"] if m else first.removesuffix(".gguf")
@@ -147,7 +165,7 @@ def _inspect_gguf(path: Path) -> CheckpointInfo:
         path=ck.path, model_id=model_id, architecture=ck.config.architectures[0], label=label,
         num_layers=text.num_hidden_layers, moe_layers=_moe_layer_count(text), num_experts=num_experts,
         top_k=top_k, default_top_k=top_k, top_k_adjustable=True,
-        expert_intermediate=_first_int(text, "moe_intermediate_size", "intermediate_size"),
+        expert_intermediate=inter,
         hidden_size=text.hidden_size, context_length=_first_int(text, "max_position_embeddings"),
         config=ck.config, format="gguf", gguf=ck)
 

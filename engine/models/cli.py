@@ -18,10 +18,11 @@ from moetray.engine.models.discovery import list_models
 def _size(nbytes: int | None) -> str:
     if nbytes is None:
         return "?"
+    size = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
     return "?"
 
 

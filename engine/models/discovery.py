@@ -27,7 +27,7 @@ from moetray.engine.models.names import (
     ollama_root,
 )
 from moetray.engine.models.row_cache import RowCache, cache_path, file_stamp
-from moetray.policy.wire import LocalModel
+from moetray.policy.wire import LocalModel, ModelFormat, ModelSource
 
 __all__ = ["SERVED_QUANT_METHODS", "describe_folder", "describe_gguf", "list_models"]
 
@@ -38,9 +38,9 @@ _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "m
 
 def _row(
     name: str,
-    source: str,
+    source: ModelSource,
     path: Path,
-    fmt: str,
+    fmt: ModelFormat,
     family: str | None,
     moe: bool | None,
     nbytes: int | None,
@@ -78,7 +78,7 @@ def _gguf_facts(path: Path) -> dict:
     return {"family": ck.arch, "moe": True, "refusal": None}
 
 
-def describe_gguf(name: str, source: str, path: Path, cache: RowCache | None = None) -> LocalModel:
+def describe_gguf(name: str, source: ModelSource, path: Path, cache: RowCache | None = None) -> LocalModel:
     """One row for the GGUF model at ``path`` (its headers only, or the cache's record of them)."""
     try:
         files = gguf_files(path)
@@ -94,10 +94,11 @@ def describe_gguf(name: str, source: str, path: Path, cache: RowCache | None = N
 
 
 def _text_config(cfg: dict) -> dict:
-    return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    text = cfg.get("text_config")
+    return text if isinstance(text, dict) else cfg
 
 
-def describe_folder(name: str, source: str, folder: Path) -> LocalModel:
+def describe_folder(name: str, source: ModelSource, folder: Path) -> LocalModel:
     """One row for a Hugging Face folder (its ``config.json`` only)."""
     files = [p for p in folder.iterdir() if p.is_file() or p.is_symlink()] if folder.is_dir() else []
     try:
@@ -106,7 +107,7 @@ def describe_folder(name: str, source: str, folder: Path) -> LocalModel:
         return _row(name, source, folder, "safetensors", None, None, _size(files), "unreadable_checkpoint")
     text = _text_config(cfg)
     family = text.get("model_type") or cfg.get("model_type")
-    counts = [text.get(k) for k in _EXPERT_COUNT_KEYS if isinstance(text.get(k), int)]
+    counts = [count for k in _EXPERT_COUNT_KEYS if isinstance(count := text.get(k), int)]
     moe = bool(counts and max(counts) > 1)
     quant = cfg.get("quantization_config") or text.get("quantization_config") or {}
     method = quant.get("quant_method") if isinstance(quant, dict) else None

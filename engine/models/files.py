@@ -44,7 +44,7 @@ def gguf_files(path: str | Path) -> list[Path]:
     p = Path(path).expanduser()
     if p.is_dir():
         found = sorted(q for q in p.glob("*.gguf") if not q.name.startswith("mmproj"))
-        firsts = [q for q in found if not SPLIT_RE.match(q.name) or SPLIT_RE.match(q.name)["no"] == "00001"]
+        firsts = [q for q in found if (split := SPLIT_RE.match(q.name)) is None or split["no"] == "00001"]
         if len(firsts) != 1:
             raise CheckpointError("not_a_checkpoint", f"{p} holds {len(firsts)} GGUF models; name the file")
         p = firsts[0]

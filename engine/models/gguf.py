@@ -45,11 +45,11 @@ ARCHITECTURES = {
     "llama": "MixtralForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
-GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+GPT_OSS_SWIGLU: dict[str, Any] = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}  # config keyword arguments
 """gpt-oss's clamped SwiGLU as llama.cpp computes it: constants of its graph, not metadata."""
 LATER_FAMILIES = {
-    "qwen35moe": "Qwen3.5/3.6-MoE (hybrid recurrent layers) is served once the hybrid "
-    "recurrent-state pool lands",
+    "qwen35moe": "Qwen3.5/3.6-MoE GGUF files (hybrid recurrent layers) are not mapped yet "
+    "(their Hugging Face checkpoints are served, recurrent state included)",
 }
 DENSE_FAMILIES = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral", "falcon"}
 
@@ -242,7 +242,7 @@ def gguf_config(arch: str, metadata: dict, tensors: dict[str, GgufTensor]):
         )
     q_norm = tensors.get(f"blk.{first}.attn_q_norm.weight")
     head_dim = q_norm.shape[0] if q_norm is not None else key("attention.key_length", hidden // heads)
-    return Qwen3MoeConfig(
+    return Qwen3MoeConfig(  # type: ignore[call-arg]  # accepted: transformers' typed __init__ omits the head_dim it takes
         **common,
         head_dim=head_dim,
         intermediate_size=dense_inter,
@@ -306,7 +306,7 @@ def read_gguf(path: str | Path) -> GgufCheckpoint:
 class _Files:
     """Memory maps of the files, opened once; ``bytes(t, start, n)`` is a ``uint8`` view (no copy)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._maps: dict[Path, np.ndarray] = {}
 
     def view(self, path: Path, start: int, nbytes: int) -> torch.Tensor:
@@ -399,7 +399,7 @@ def _expert_targets(geo) -> dict[str, tuple[tuple[int, ...], Callable]]:
 
         return place
 
-    targets = {}
+    targets: dict[str, tuple[tuple[int, ...], Callable[..., Any]]] = {}
     for half, cut in halves.items():
         pick = (slice(None), cut) if transposed else cut
         targets[f"ffn_{half}_exps.weight"] = ((inter, hidden), into(gate_up, pick, transposed))

@@ -21,9 +21,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 __all__ = ["ARCH_BY_MODEL_TYPE", "encode_q4_k", "export_gguf"]
 
@@ -66,7 +70,8 @@ def encode_q4_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(*values.shape[:-1], values.shape[-1] // 256 * 144)
 
 
-def _encode(name: str, array: np.ndarray, qtype, blocks: Blocks | None) -> tuple[np.ndarray, object]:
+def _encode(name: str, array: np.ndarray, qtype: GGMLQuantizationType,
+            blocks: Blocks | None) -> tuple[np.ndarray, GGMLQuantizationType]:
     """``(stored array, ggml type)`` for one tensor written as ``qtype`` (with the converter's fallbacks)."""
     from gguf import GGML_QUANT_SIZES, quants
     from gguf import GGMLQuantizationType as Q

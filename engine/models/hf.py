@@ -15,7 +15,7 @@ import mmap
 import struct
 from collections.abc import Container
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from transformers.integrations.gguf.reader import _mapped, _read_string, _read_tensor_table, _read_value
@@ -72,11 +72,13 @@ def _walk(path: Path, blob: mmap.mmap, string_arrays: Container[str]) -> GgufHea
         raise ValueError(f"{path} is GGUF v{version}; v2 and v3 are read")
     pos = 24
     metadata: dict = {}
+    # transformers' readers are typed for an ndarray; they slice and unpack, which an mmap does.
+    buffer: Any = blob
     for _ in range(kv_count):
-        key, pos = _read_string(blob, pos)
+        key, pos = _read_string(buffer, pos)
         (value_type,) = struct.unpack_from("<I", blob, pos)
-        metadata[key], pos = _read_value(blob, pos + 4, value_type, key in string_arrays)
-    entries, pos = _read_tensor_table(blob, tensor_count, pos)
+        metadata[key], pos = _read_value(buffer, pos + 4, value_type, key in string_arrays)
+    entries, pos = _read_tensor_table(buffer, tensor_count, pos)
     alignment = int(metadata.get("general.alignment", 32))
     data_start = (pos + alignment - 1) // alignment * alignment
     tensors = tuple(

@@ -24,6 +24,7 @@ import json
 import logging
 import platform
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -133,8 +134,9 @@ def quantize_linears(model: nn.Module) -> int:
                 count += 1
     if count:
         # The LM head no longer shares the embedding's parameter: stop transformers re-tying them.
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        for cfg in {id(model.config): model.config, id(text): text}.values():
+        config: Any = model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for cfg in {id(config): config, id(text): text}.values():
             if getattr(cfg, "tie_word_embeddings", False):
                 cfg.tie_word_embeddings = False
     log.info("int8 weights: %d linear layers quantized per output channel", count)
@@ -167,4 +169,4 @@ def route_single_row_steps(model: nn.Module) -> None:
             torch.backends.mkldnn.enabled = True
 
     model.forward = routed
-    model._moetray_single_row_routing = True
+    setattr(model, "_moetray_single_row_routing", True)  # noqa: B010 - a flag nn.Module does not declare

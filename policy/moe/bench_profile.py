@@ -27,7 +27,7 @@ import os
 import re
 import tempfile
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from moetray.policy.moe.qstar import Backend, QStarPolicy, fetch_fraction, recommend_backend
 from moetray.policy.refused import Refused
@@ -161,7 +161,9 @@ class BandwidthProfile:
             device = fields.pop("device")
             if not isinstance(device, dict):
                 raise ValueError("device is not an object")
-            dev = DeviceIdentity(**{k: device.get(k) for k in ("kind", "name", "uuid")})
+            # Unchecked until built (the identity refuses an empty one): the check below refuses non-text.
+            dev = DeviceIdentity(kind=cast(str, device.get("kind")), name=cast(str, device.get("name")),
+                                 uuid=device.get("uuid"))
             for key in ("kind", "name"):
                 if not isinstance(getattr(dev, key), str):
                     raise ValueError(f"device {key} is not text")

@@ -52,9 +52,15 @@ class ExpertRows(Protocol):
     source has no such row. It must not mutate the source's notion of which rows exist.
     """
 
-    num_layers: int
-    num_experts: int
-    row_bytes: int
+    # Read-only (a property or a plain attribute both fit).
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def row_bytes(self) -> int: ...
 
     def row(self, layer: int, expert: int) -> Any | None: ...
 
@@ -71,8 +77,12 @@ class SlotDevice(Protocol):
     Any exception a device raises is reported as `SlotDeviceError`.
     """
 
-    slot_count: int
-    row_bytes: int
+    # Read-only (a property or a plain attribute both fit).
+    @property
+    def slot_count(self) -> int: ...
+
+    @property
+    def row_bytes(self) -> int: ...
 
     def write_slot(self, slot: int, row: Any) -> None: ...
 
@@ -107,6 +117,8 @@ class SlotDeviceError(Refused, RuntimeError):
     bytes can no longer be trusted (now `UNKNOWN` in the executor's map)."""
 
     KINDS = ("device_write", "device_copy", "device_flush")
+    slot: int | None  # set by ``Refused`` from the keyword arguments below
+    unknown_slots: tuple[int, ...]
 
     def __init__(self, kind: str, message: str, *, slot: int | None,
                  unknown_slots: Sequence[int]) -> None:
@@ -265,9 +277,9 @@ class ExpertSlots:
         if done:
             self._flush(done)
         nbytes = len(done) * self.rows.row_bytes
-        s = self._stats
-        self._stats = SlotStats(s.plans + 1, s.warm_plans + (0 if done else 1), s.rows + len(done),
-                                s.bytes + nbytes)
+        stats = self._stats
+        self._stats = SlotStats(stats.plans + 1, stats.warm_plans + (0 if done else 1),
+                                stats.rows + len(done), stats.bytes + nbytes)
         return ApplyReport(len(done), nbytes)
 
     def apply_resize(self, plan: Any) -> ApplyReport:

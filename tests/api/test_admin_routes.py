@@ -6,6 +6,7 @@ import json
 import time
 
 import httpx
+from bounded import join
 from engine_harness import ADMIN, ADMIN_TOKEN
 from test_openai_routes import noise_tokens
 
@@ -97,7 +98,10 @@ def test_unknowns_are_null_before_any_traffic(tiny_qwen3, start_engine):
 
 
 def test_events_stream_status_snapshots_about_once_a_second(live):
-    with httpx.stream("GET", f"{live.url}{wire.route_path('events')}", headers=ADMIN, timeout=10) as r:
+    """Paced, not a flood: the second snapshot comes at least half a second after the first,
+    by the engine's clock and by ours (how much later depends on the machine's load; the
+    read timeout bounds the wait)."""
+    with httpx.stream("GET", f"{live.url}{wire.route_path('events')}", headers=ADMIN, timeout=30) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events, data, started = [], [], time.monotonic()
         for line in r.iter_lines():
@@ -110,7 +114,7 @@ def test_events_stream_status_snapshots_about_once_a_second(live):
         elapsed = time.monotonic() - started
     assert events[:2] == [wire.SNAPSHOT_EVENT] * 2
     assert data[0]["state"] == "serving"
-    assert 0.5 <= elapsed <= 5.0
+    assert data[1]["uptime_s"] - data[0]["uptime_s"] >= 0.5 and elapsed >= 0.5
 
 
 def _stream_in_background(url: str, body: dict, sink: list):
@@ -134,7 +138,7 @@ def _wait_for_request(engine, state: str | None = None, timeout: float = 30.0) -
         if rows and (state is None or rows[0]["state"] == state):
             return rows[0]
         time.sleep(0.01)
-    raise TimeoutError(f"no request in state {state}")
+    raise TimeoutError(f"waited {timeout:g} s for a request in state {state}")
 
 
 def test_admin_cancel_ends_a_decoding_request_and_frees_its_pages(slow):
@@ -150,7 +154,7 @@ def test_admin_cancel_ends_a_decoding_request_and_frees_its_pages(slow):
     assert slow.status()["pools"]["kv_pages_used"] > 0
     r = httpx.post(f"{slow.url}{wire.route_path('cancel', request_id=row['id'])}", headers=ADMIN)
     assert r.status_code == 200 and r.json() == {"id": row["id"], "cancelled": True}
-    thread.join(timeout=30)
+    join(thread, 30, "the cancelled stream to end")
     assert chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
     snap = slow.wait_idle()
     assert snap["pools"]["kv_pages_used"] == 0
@@ -165,7 +169,7 @@ def test_admin_cancel_during_prefill(slow):
     row = _wait_for_request(slow, "prefill")
     assert row["tokens"] == 0
     httpx.post(f"{slow.url}/admin/requests/{row['id']}/cancel", headers=ADMIN).raise_for_status()
-    thread.join(timeout=30)
+    join(thread, 30, "the cancelled stream to end")
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "cancelled"
     assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])

@@ -14,46 +14,20 @@ import time
 import httpx
 import pytest
 from engine_harness import ADMIN
+from health_poll import HealthPoller
 
 FOUR_MB = 4 << 20
-
-
-class HealthPoller:
-    """Polls ``/health`` every 250 ms on its own thread; records each answer's latency (or its error)."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.latencies, self.errors = url, [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=10.0) as client:
-            while not self._stop.is_set():
-                began = time.monotonic()
-                try:
-                    client.get(f"{self.url}/health").raise_for_status()
-                    self.latencies.append(time.monotonic() - began)
-                except httpx.HTTPError as exc:
-                    self.errors.append(repr(exc))
-                self._stop.wait(0.25)
-
-    def __enter__(self) -> HealthPoller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
 
 
 def test_a_4mb_prompt_never_stalls_the_event_loop(live):
     """Defect 1: rendering and tokenizing 4 MB ran on the event loop, so /health went silent for
     seconds and the supervisor killed the engine. A 4 MB system message cannot be refused by
     arithmetic (templates may drop system text), so it really is rendered and tokenized, in a
-    worker; a 4 MB user message is refused before tokenizing."""
+    worker; a 4 MB user message is refused before tokenizing. ``/admin/status`` is polled beside
+    ``/health``: the tray's dashboard reads it."""
     system = {"role": "system", "content": "word " * (FOUR_MB // 5)}
     body = {"messages": [system, {"role": "user", "content": "hi"}], "max_tokens": 2}
-    with HealthPoller(live.url) as polls:
+    with HealthPoller(live.url, paths=("/health", "/admin/status"), headers=ADMIN) as polls:
         r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=600)
         user = {"messages": [{"role": "user", "content": "x" * FOUR_MB}], "max_tokens": 2}
         fast = httpx.post(f"{live.url}/v1/chat/completions", json=user, timeout=600)
@@ -62,7 +36,7 @@ def test_a_4mb_prompt_never_stalls_the_event_loop(live):
     assert fast.status_code == 400 and fast.json()["error"]["kind"] == "context_length_exceeded"
     assert "at least" in fast.json()["error"]["message"]  # refused by arithmetic, never tokenized
     assert polls.errors == []
-    assert len(polls.latencies) >= 3, polls.latencies  # the request lasted long enough to be watched
+    assert len(polls.latencies) >= 6, polls.latencies  # the request lasted long enough to be watched
     assert max(polls.latencies) < 2.0, polls.latencies
 
 
@@ -223,3 +197,80 @@ def test_health_carries_the_batch_loops_heartbeat(slow):
     after = httpx.get(f"{slow.url}/health").json()["heartbeat"]
     assert True in seen_busy
     assert after["steps"] >= before["steps"] + 30 and after["age_s"] is not None
+
+
+# --- a client that leaves while its huge prompt is worked on leaves nothing behind ---------------
+
+
+def _send_then_hang_up(port: int, path: str, body: dict, *, when) -> None:
+    """POST ``body`` by hand, wait until ``when()`` is true (deadline 120 s), then close the socket."""
+    import json
+
+    payload = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head + payload)
+        _wait(when, "the moment to hang up")
+
+
+def _wait(condition, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_during_the_worker_hop_leaves_no_request_and_no_page(live, monkeypatch, stream):
+    """The prompt is being rendered and tokenized in a worker when its client hangs up: when the
+    worker is done the request may be admitted, but it is cancelled at once and leaves nothing."""
+    from moetray.engine.api import prompts
+
+    monkeypatch.setattr(prompts, "INLINE_CHARS", 64)  # this modest prompt takes the worker hop
+    chat, entered, release = live.engine.chat_support(), threading.Event(), threading.Event()
+    encode = chat.encode
+
+    def held_encode(text: str) -> list[int]:
+        entered.set()
+        assert release.wait(120), "the test never released the worker"
+        return encode(text)
+
+    monkeypatch.setattr(chat, "encode", held_encode)
+    connections = live.server.server_state.connections
+    before, served0 = set(connections), live.engine.telemetry.requests_served
+    system = {"role": "system", "content": "a long system message " * 20}
+    body = {"messages": [system, {"role": "user", "content": "hi"}], "max_tokens": 40, "ignore_eos": True,
+            "stream": stream}
+    try:
+        _send_then_hang_up(live.port, "/v1/chat/completions", body, when=entered.is_set)
+        _wait(lambda: not (set(connections) - before), "the server to see the client go")
+    finally:
+        release.set()
+    snap = live.wait_idle(timeout=60)
+    assert snap["requests"] == [] and snap["pools"]["kv_pages_used"] == 0, snap["pools"]
+    assert live.engine.telemetry.requests_served - served0 <= 1  # admitted at most once, then gone
+    live.engine.pools.runner.check_integrity()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_during_a_long_prefill_cancels_it_there(tiny_qwen3, start_engine, stream):
+    """A near-context prompt prefilled in many small steps; the client hangs up mid-prefill: the
+    request is cancelled before its first token and gives back every page."""
+    engine = start_engine(tiny_qwen3, max_batch_tokens=16, test_step_delay_s=0.05)
+    limit = engine.engine.pools.ceiling.limit
+    prompt = [3 + (i * 7) % 300 for i in range(limit - 64)]  # ~60 prefill steps of 16 tokens
+    body = {"prompt": prompt, "max_tokens": 32, "ignore_eos": True, "stream": stream}
+    tokens0, steps0 = engine.engine.telemetry.completion_tokens_total, engine.engine.pools.runner.steps
+
+    def prefilling() -> bool:
+        return any(r["state"] == "prefill" for r in engine.engine.active_requests())
+
+    _send_then_hang_up(engine.port, "/v1/completions", body, when=prefilling)
+    snap = engine.wait_idle(timeout=60)
+    assert snap["requests"] == [] and snap["pools"]["kv_pages_used"] == 0, snap["pools"]
+    assert engine.engine.telemetry.completion_tokens_total == tokens0  # cancelled before its first token
+    assert engine.engine.pools.runner.steps - steps0 < len(prompt) // 16  # the prefill was never finished
+    assert engine.engine.telemetry.requests_served == 1
+    engine.engine.pools.runner.check_integrity()

@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from bounded import exit_code
 
 from moetray.app.cli import has_display
 
@@ -38,7 +39,7 @@ def test_a_window_needs_a_display_only_on_linux(environ, platform, expected):
 
 
 @pytest.mark.slow
-def test_moetray_without_a_display_serves_the_default_model_and_stops_on_ctrl_c(tmp_path):
+def test_moetray_without_a_display_serves_the_default_model_and_stops_on_ctrl_c(tmp_path, processes):
     from moetray.engine.demo import ensure_demo_model
     from moetray.engine.serve import DEFAULT_PORT
 
@@ -47,26 +48,23 @@ def test_moetray_without_a_display_serves_the_default_model_and_stops_on_ctrl_c(
         assert probe.connect_ex(("127.0.0.1", DEFAULT_PORT)) != 0, f"port {DEFAULT_PORT} is taken"
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
     env["XDG_RUNTIME_DIR"] = str(tmp_path)  # the admin token file lands here, not in the user's dir
-    proc = subprocess.Popen([sys.executable, "-m", "moetray.app.cli"], env=env, stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
-    try:
-        deadline, health = time.monotonic() + 120, None
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                health = httpx.get(f"http://127.0.0.1:{DEFAULT_PORT}/health", timeout=2).json()
-                if health["state"] == "serving":
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        assert health is not None and health["state"] == "serving", health
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
-        err = proc.stderr.read()
-        assert "no display" in err and "headless" in err
-        assert "Traceback" not in err
-        assert "PySide6" not in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as err_file:
+        proc = processes.spawn([sys.executable, "-m", "moetray.app.cli"], env=env, stderr=err_file,
+                               stdout=subprocess.DEVNULL, text=True)
+    deadline, health = time.monotonic() + 120, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            health = httpx.get(f"http://127.0.0.1:{DEFAULT_PORT}/health", timeout=2).json()
+            if health["state"] == "serving":
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    assert health is not None and health["state"] == "serving", f"waited 120 s to serve: {health}"
+    proc.send_signal(signal.SIGINT)
+    assert exit_code(proc, 60, "the headless engine to end on Ctrl-C") == 0
+    err = log.read_text()
+    assert "no display" in err and "headless" in err
+    assert "Traceback" not in err
+    assert "PySide6" not in err

@@ -68,28 +68,38 @@ def test_a_whole_reply_wakes_the_loop_once_and_equals_the_streamed_reply(live):
         assert whole["usage"][key] == usage[key]
 
 
-def test_a_quiet_reply_is_accounted_step_by_step(live):
+def test_a_quiet_reply_is_accounted_step_by_step(live, monkeypatch):
     """Its tokens enter the tok/s window as they are generated (one event per step, not one
-    lump at the end), its first token is timed once, and the totals count every token."""
+    lump at the end), its first token is timed once, and the totals count every token.
+
+    Counted at the telemetry's inputs (the window itself drops events by wall-clock age)."""
     telemetry = live.engine.telemetry
+    token_events: list[int] = []
+    first_tokens: list[float] = []
+    tokens, first_token = telemetry.tokens, telemetry.first_token
+    monkeypatch.setattr(telemetry, "tokens", lambda n: (token_events.append(n), tokens(n)))
+    monkeypatch.setattr(telemetry, "first_token", lambda s: (first_tokens.append(s), first_token(s)))
     served0, total0 = telemetry.requests_served, telemetry.completion_tokens_total
-    events0, ttft0 = len(telemetry._token_events), len(telemetry._ttft_ms)
     whole = _chat(live)
     assert whole["usage"]["completion_tokens"] == 10
-    assert len(telemetry._token_events) - events0 == 10
-    assert len(telemetry._ttft_ms) - ttft0 == 1
+    assert token_events == [1] * 10
+    assert len(first_tokens) == 1
     assert (telemetry.requests_served - served0, telemetry.completion_tokens_total - total0) == (1, 10)
 
 
 def test_a_stop_string_keeps_the_every_step_path(live):
-    """A stop string must be watched at every step (a match ends generation there): no quiet path."""
+    """A stop string must be watched at every step (a match ends generation there): no quiet path.
+
+    Every counted token came through a loop hand-off, none through a tap. (The batch loop may
+    still hand over a step or two between the match and the cancellation landing: how many
+    depends on the machine's load, so the count is a lower bound.)"""
     forced = "Hello there STOP and a long tail that must never be generated"
     loop0, tapped0 = _counts(live)
     whole = _chat(live, stop=["STOP"], max_tokens=200, ignore_eos=False, moetray_test_forced_text=forced)
     loop1, tapped1 = _counts(live)
     assert whole["choices"][0]["message"]["content"] == "Hello there "
     assert tapped1 - tapped0 == 0
-    assert loop1 - loop0 == whole["usage"]["completion_tokens"]
+    assert loop1 - loop0 >= whole["usage"]["completion_tokens"] > 1
     assert whole["usage"]["completion_tokens"] < len(live.engine.served.chat.encode(forced)) // 2
 
 

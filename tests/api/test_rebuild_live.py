@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from bounded import join, wait_until
 from engine_harness import ADMIN, LiveEngine
 
 from moetray.policy import wire
@@ -68,8 +69,8 @@ def test_kv_resplit_applies_without_reloading_and_invalidates_the_prefix_cache(e
     result = r.json()
     assert set(wire.RebuildResult.__annotations__) <= set(result)
     assert result["outcome"] == "applied"
-    assert result["before"] == {"moe_slots": 16, "kv_pages": 128, "kv_tokens": 2048}
-    assert result["after"] == {"moe_slots": 16, "kv_pages": 64, "kv_tokens": 1024}
+    assert result["before"] == {"moe_slots": 16, "kv_pages": 128, "kv_tokens": 2048, "state_slots": 0}
+    assert result["after"] == {"moe_slots": 16, "kv_pages": 64, "kv_tokens": 1024, "state_slots": 0}
     assert result["prefix_cache_invalidated"] is True
     assert result["elapsed_ms"] > 0
     assert sizes(eng) == (16, 64)
@@ -171,9 +172,7 @@ def test_a_transaction_outliving_its_reply_keeps_the_gate_closed_until_it_ends(e
         assert rebuild(eng, kv_tokens=2048).json()["error"]["kind"] == "busy"
     finally:
         hold.set()
-    deadline = time.monotonic() + 30
-    while eng.status()["state"] != "serving" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: eng.status()["state"] == "serving", 60, "the transaction to end and reopen the gate")
     status = eng.status()
     assert status["state"] == "serving"
     assert sizes(eng) == (before[0], 1024 // 16)
@@ -208,8 +207,10 @@ def test_rebuild_before_the_model_loaded_is_not_ready(tiny_qwen3, start_engine):
 
 
 def _post_with_retry(url: str, body: dict, log: list) -> dict:
-    """What a well-behaved client does: retry a 503 after Retry-After, never give up on "now"."""
-    while True:
+    """What a well-behaved client does: retry a 503 after Retry-After, never give up on "now"
+    (within the test's patience: 120 s)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         if r.status_code == 503:
             assert r.json()["error"]["kind"] == "rebuilding"
@@ -219,36 +220,45 @@ def _post_with_retry(url: str, body: dict, log: list) -> dict:
             continue
         assert r.status_code == 200, r.text
         return r.json()
+    raise TimeoutError("waited 120 s for the re-split to let a retried request in")
 
 
 def test_rebuild_under_load_waits_refuses_new_work_with_retry_after_and_changes_no_output(slow):
-    """In-flight requests finish, arrivals get 503 + Retry-After, nothing fails, outputs are unchanged."""
+    """In-flight requests finish, arrivals get 503 + Retry-After, nothing fails, outputs are unchanged.
+
+    Each request runs 40 held steps (at least 0.8 s), so both in-flight ones are listed
+    together even when a loaded machine starts their threads far apart."""
     prompts = [f"load test prompt {i}" for i in range(4)]
-    baseline = {p: greedy(slow, p, n=12) for p in prompts}
+
+    def body(p):
+        return {"messages": [{"role": "user", "content": p}], "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True}
+
+    def reply_text(p, retries):
+        return _post_with_retry(slow.url, body(p), retries)["choices"][0]["message"]["content"]
+
+    baseline = {p: reply_text(p, []) for p in prompts}
     results: dict[str, str] = {}
     retries: list[float] = []
 
     def worker(p):
-        body = {"messages": [{"role": "user", "content": p}], "max_tokens": 12, "temperature": 0}
-        results[p] = _post_with_retry(slow.url, body, retries)["choices"][0]["message"]["content"]
+        results[p] = reply_text(p, retries)
 
     inflight = [threading.Thread(target=worker, args=(p,)) for p in prompts[:2]]
     for t in inflight:
         t.start()
-    deadline = time.monotonic() + 30
-    while len(slow.status()["requests"]) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_until(lambda: len(slow.status()["requests"]) >= 2, 60, "both in-flight requests to be admitted",
+               poll_s=0.005)
     answer: dict = {}
     rb = threading.Thread(target=lambda: answer.setdefault("r", rebuild(slow, kv_tokens=1024)))
     rb.start()
-    while httpx.get(f"{slow.url}/health").json()["state"] != "rebuilding":
-        time.sleep(0.002)
+    wait_until(lambda: httpx.get(f"{slow.url}/health").json()["state"] == "rebuilding", 60,
+               "the engine to start the re-split", poll_s=0.002)
     late = [threading.Thread(target=worker, args=(p,)) for p in prompts[2:]]
     for t in late:
         t.start()
     for t in [*inflight, rb, *late]:
-        t.join(timeout=120)
+        join(t, 120, "the requests and the re-split under load")
     assert answer["r"].status_code == 200 and answer["r"].json()["outcome"] == "applied"
     assert retries and all(r >= 1 for r in retries)
     assert results == baseline
@@ -273,8 +283,7 @@ def test_idle_wait_times_out_and_leaves_everything_as_it_was(slow):
         )
     )
     t.start()
-    while not slow.status()["requests"]:
-        time.sleep(0.005)
+    wait_until(lambda: slow.status()["requests"], 60, "the long request to be admitted", poll_s=0.005)
     before = sizes(slow)
     r = httpx.post(
         f"{slow.url}{REBUILD}", headers=ADMIN, json={"kv_tokens": 1024, "idle_timeout_s": 0.2}, timeout=30
@@ -284,6 +293,6 @@ def test_idle_wait_times_out_and_leaves_everything_as_it_was(slow):
     assert r.headers["Retry-After"] == "1"
     assert sizes(slow) == before
     assert slow.status()["state"] == "serving"
-    t.join(timeout=120)
+    join(t, 120, "the long request")
     assert done["r"].status_code == 200
     assert done["r"].json()["choices"][0]["finish_reason"] == "length"

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+from bounded import exit_code
 
 
 def free_port() -> int:
@@ -28,7 +29,7 @@ def child_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def test_serve_comes_up_before_the_model_and_writes_a_private_token_file(tiny_qwen3, tmp_path):
+def test_serve_comes_up_before_the_model_and_writes_a_private_token_file(tiny_qwen3, tmp_path, processes):
     port = free_port()
     cmd = [
         sys.executable,
@@ -48,21 +49,17 @@ def test_serve_comes_up_before_the_model_and_writes_a_private_token_file(tiny_qw
         "--outbox-dir",
         str(tmp_path / "out"),
     ]
-    proc = subprocess.Popen(
-        cmd,
-        env=child_env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = processes.spawn(cmd, env=child_env(tmp_path), stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         states, deadline = [], time.monotonic() + 120
-        while time.monotonic() < deadline:
+        while True:
+            assert time.monotonic() < deadline, f"waited 120 s for the engine to serve: {states}"
             try:
                 health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
             except httpx.TransportError:
-                assert proc.poll() is None, proc.stdout.read()
+                assert proc.poll() is None, log.read_text()
                 time.sleep(0.05)
                 continue
             states.append(health["state"])
@@ -81,7 +78,8 @@ def test_serve_comes_up_before_the_model_and_writes_a_private_token_file(tiny_qw
         assert token not in " ".join(proc.args)  # never on argv
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        exit_code(proc, 30, "the engine to end on SIGTERM")
+    out = log.read_text()
     assert str(token_file) in out  # the path is logged at start…
     assert token not in out  # …the token itself never is
     assert not token_file.exists()  # removed at a clean exit (SIGTERM)

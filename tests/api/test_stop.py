@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
+from bounded import join, wait_until
 from engine_harness import ADMIN
 from test_openai_routes import noise_tokens
 
@@ -65,10 +65,9 @@ def test_stop_drains_running_requests_before_sealing(tiny_qwen3, start_engine):
         )
     )
     t.start()
-    while not engine.status()["requests"]:
-        time.sleep(0.005)
+    wait_until(lambda: engine.status()["requests"], 60, "the request to be admitted", poll_s=0.005)
     r = stop(engine, drain_timeout_s=30)
-    t.join(timeout=60)
+    join(t, 60, "the drained chat request")
     assert r.status_code == 200
     reply = result["r"].json()
     assert reply["choices"][0]["finish_reason"] == "length"  # it ran to completion: drained, not aborted
@@ -94,10 +93,9 @@ def test_stop_aborts_what_does_not_drain_in_time(tiny_qwen3, start_engine):
 
     t = threading.Thread(target=run)
     t.start()
-    while not engine.status()["requests"]:
-        time.sleep(0.005)
+    wait_until(lambda: engine.status()["requests"], 60, "the request to be admitted", poll_s=0.005)
     r = stop(engine, drain_timeout_s=0.2)
-    t.join(timeout=60)
+    join(t, 60, "the aborted stream")
     assert r.status_code == 200
     assert chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
     assert r.json()["completion_tokens_total"] < 800
@@ -117,8 +115,7 @@ def test_stop_during_a_rebuild_is_refused_and_changes_nothing(tiny_qwen3, start_
         target=lambda: httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=60)
     )
     t.start()
-    while not engine.status()["requests"]:
-        time.sleep(0.005)
+    wait_until(lambda: engine.status()["requests"], 60, "the request to be admitted", poll_s=0.005)
     answer: dict = {}
     rb = threading.Thread(
         target=lambda: answer.setdefault(
@@ -129,14 +126,14 @@ def test_stop_during_a_rebuild_is_refused_and_changes_nothing(tiny_qwen3, start_
         )
     )
     rb.start()
-    while httpx.get(f"{engine.url}/health").json()["state"] != "rebuilding":
-        time.sleep(0.002)
+    wait_until(lambda: httpx.get(f"{engine.url}/health").json()["state"] == "rebuilding", 60,
+               "the engine to start the re-split", poll_s=0.002)
     r = stop(engine)
     assert r.status_code == 503
     assert r.json()["error"]["kind"] == "rebuild_in_progress"
     assert r.headers["Retry-After"] == "1"
-    t.join(timeout=60)
-    rb.join(timeout=60)
+    join(t, 60, "the chat request")
+    join(rb, 60, "the re-split")
     assert answer["r"].status_code == 200
     assert httpx.get(f"{engine.url}/health").json()["state"] == "serving"
     assert not list(engine.engine.options.outbox_dir.glob("*.json"))

@@ -66,16 +66,21 @@ async def run_all(runner: BatchRunner, jobs: dict[str, tuple[list[int], int, Sam
 
     for rid, (ids, max_new, sampling) in jobs.items():
         runner.submit(rid, ids, max_new_tokens=max_new, sampling=sampling, on_output=handler(rid))
-    await asyncio.wait_for(done.wait(), timeout)
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    except TimeoutError:
+        raise TimeoutError(f"waited {timeout:g} s for every job to finish; "
+                           f"finished: {sorted(finals)}") from None
     return finals
 
 
-async def wait_until(predicate, timeout=30.0):
+async def wait_until(predicate, what: str, timeout=30.0):
+    """Poll ``predicate`` on the running loop; ``TimeoutError`` naming ``what`` at the deadline."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
         if loop.time() > deadline:
-            raise TimeoutError("condition not reached")
+            raise TimeoutError(f"waited {timeout:g} s for {what}")
         await asyncio.sleep(0.01)
 
 
@@ -150,11 +155,13 @@ async def test_cancel_during_prefill_frees_every_page(tiny):
             on_output=outputs.append,
         )
         await wait_until(
-            lambda: any(r.state == "prefill" and r.request_id == "long" for r in runner.live_requests())
+            lambda: any(r.state == "prefill" and r.request_id == "long" for r in runner.live_requests()),
+            "the long request to be in prefill",
         )
         assert runner.kv_stats().used > 0
         runner.cancel("long")
-        await wait_until(lambda: not runner.live_requests() and runner.kv_stats().used == 0)
+        await wait_until(lambda: not runner.live_requests() and runner.kv_stats().used == 0,
+                         "the cancelled request to leave and free its pages")
         runner.check_integrity()
         assert runner.kv_stats().free == runner.kv_stats().total
     finally:
@@ -185,7 +192,8 @@ async def test_follow_up_turn_reuses_the_first_turns_very_blocks(tiny):
 
         runner.submit("t2", follow, max_new_tokens=4, sampling=Sampling(temperature=0.0), on_output=capture)
         await wait_until(
-            lambda: "t2" not in {r.request_id for r in runner.live_requests()} and "blocks" in seen
+            lambda: "t2" not in {r.request_id for r in runner.live_requests()} and "blocks" in seen,
+            "the follow-up turn to finish",
         )
         assert seen["blocks"][: len(turn_one_blocks)] == turn_one_blocks
         assert runner.cached_tokens("t2") == len(turn_one_blocks) * PAGE
@@ -253,7 +261,7 @@ async def test_many_distinct_prompts_through_a_small_pool_all_complete_and_pages
             }
             finals = await run_all(runner, jobs)
             assert all(not f.error for f in finals.values())
-        await wait_until(lambda: not runner.live_requests())
+        await wait_until(lambda: not runner.live_requests(), "the batch to drain")
         stats = runner.kv_stats()
         assert stats.used == 0
         assert stats.free + stats.evictable == stats.total
@@ -359,7 +367,7 @@ async def test_overcommitted_pool_soft_resets_requests_and_still_matches_generat
         )
         for i, ref in enumerate(refs):
             assert finals[f"o{i}"].generated_tokens == ref
-        await wait_until(lambda: not runner.live_requests())
+        await wait_until(lambda: not runner.live_requests(), "the batch to drain")
         runner.check_integrity()
         assert runner.kv_stats().used == 0
     finally:

@@ -20,6 +20,7 @@ from expert_helpers import (  # noqa: F401 (autouse fixtures)
     resident,
 )
 
+from moetray.engine.experts import grouped as grouped_module
 from moetray.engine.experts import load_offloaded_model
 from moetray.engine.experts import runtime as runtime_module
 from moetray.engine.experts.loader import expert_modules
@@ -89,13 +90,13 @@ def test_a_batched_step_shares_its_small_groups_over_the_threads(tiny_moe, monke
     om, mine, args, _ = _batched_call(tiny_moe("qwen3_moe", "per_expert"), tokens=8)
     stock = expert_modules(resident(tiny_moe("qwen3_moe", "per_expert"), "grouped_mm"))[0][1]
     threads: list[str] = []
-    real = runtime_module._gemm_many
+    real = grouped_module._gemm_many
 
     def spy(out, src, items):
         threads.append(threading.current_thread().name)
         return real(out, src, items)
 
-    monkeypatch.setattr(runtime_module, "_gemm_many", spy)
+    monkeypatch.setattr(grouped_module, "_gemm_many", spy)
     torch.set_num_threads(2)  # the autouse fixture restores the count
     with torch.no_grad():
         want = stock(*args)  # the BLAS may round differently at another thread count
@@ -117,13 +118,13 @@ def test_one_gemm_per_routed_expert_and_projection(tiny_moe, monkeypatch):
     Prevents: per-call work growing with the number of experts or of slots in the pool."""
     om, mine, args, want = _batched_call(tiny_moe("qwen3_moe", "per_expert", num_experts=16), tokens=3)
     calls: list[int] = []
-    real = runtime_module._gemm_into
+    real = grouped_module._gemm_into
 
     def count(out, lo, hi, src, w, b):
         calls.append(hi - lo)
         return real(out, lo, hi, src, w, b)
 
-    monkeypatch.setattr(runtime_module, "_gemm_into", count)
+    monkeypatch.setattr(grouped_module, "_gemm_into", count)
     with torch.no_grad():
         got = mine(*args)
     routed = set(args[1].flatten().tolist())

@@ -107,7 +107,7 @@ async def test_a_tapped_request_wakes_the_loop_once_and_its_tap_sees_every_step(
 
         runner.submit("tapped", ids, max_new_tokens=n, sampling=sampling, on_output=on_output,
                       on_progress=on_progress)
-        await asyncio.wait_for(done.wait(), 60)
+        await wait_until(done.is_set, "the tapped request to finish", timeout=60)
         loop1, tapped1 = runner.routing_counts()
     finally:
         runner.stop()
@@ -133,11 +133,11 @@ async def test_no_tap_runs_once_cancel_returns(tiny):
             on_output=lambda out: None,
             on_progress=lambda out: seen.append(len(out.generated_tokens)),
         )
-        await wait_until(lambda: len(seen) >= 3)
+        await wait_until(lambda: len(seen) >= 3, "three tapped steps")
         runner.cancel("c")
         at_cancel = len(seen)
         await asyncio.sleep(0.2)  # several held steps: the cancelled request's last one included
-        await wait_until(lambda: not runner.live_requests())
+        await wait_until(lambda: not runner.live_requests(), "the cancelled request to leave")
     finally:
         runner.stop()
     assert len(seen) == at_cancel

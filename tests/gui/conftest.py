@@ -10,8 +10,11 @@ from live import start_engine
 from moetray.app import compat
 
 SLOW_LINK_GBPS = "0.001"
-"""Expert copies throttled to ~1 MB/s: each miss sleeps ~25 ms, so a generation lasts long
-enough to be seen in the table and stopped (cheap on CPU: the throttle sleeps)."""
+"""Expert copies throttled to ~1 MB/s: each miss sleeps ~25 ms (cheap on CPU: the throttle
+sleeps), so the heatmap shows a partly resident map that moves."""
+STEP_DELAY_MS = "50"
+"""Every batch step held 50 ms (the engine's test hook; it sleeps): a 400-token chat lasts at
+least 20 s however idle the machine, so a test can see its row and stop it before it ends."""
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +32,16 @@ def tiny_model(tiny_moe):
 
 @pytest.fixture(scope="session")
 def dashboard_engine(tiny_model, tmp_path_factory):
-    """One engine for the dashboard and real-X tests: 10 of 16 experts resident, a slow link,
-    small pools.
+    """One engine for the dashboard tests: 10 of 16 experts resident, a slow link, held
+    steps, small pools.
 
     ``--budget-bytes`` keeps the pools small enough that the slider's range is a real
     trade; ``--rebuild-idle-timeout`` keeps a re-split refused under load quick.
     """
     engine = start_engine(tiny_model, tmp_path_factory.mktemp("dash-engine"),
                           "--moe-capacity", "10", "--budget-bytes", str(4 * 1024 * 1024),
-                          "--link-gbps", SLOW_LINK_GBPS, "--rebuild-idle-timeout", "1.0")
+                          "--link-gbps", SLOW_LINK_GBPS, "--rebuild-idle-timeout", "1.0",
+                          "--test-hooks", "--test-step-delay-ms", STEP_DELAY_MS)
     yield engine
     engine.close()
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from bounded import end_group
 
 from moetray.app.supervisor import free_port
 from moetray.policy import wire
@@ -56,14 +57,9 @@ class EngineProcess:
         return self.log_path.read_text(errors="replace")
 
     def close(self) -> None:
+        """End the engine's whole process group (SIGTERM, then SIGKILL after 20 s)."""
         self._http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        end_group(self.proc.pid, grace_s=20.0)
 
 
 def engine_env(tmp: Path, token: str) -> dict[str, str]:
@@ -89,19 +85,22 @@ def start_engine(model_dir: Path, tmp: Path, *flags: str) -> EngineProcess:
         proc = subprocess.Popen(argv, env=engine_env(tmp, token), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     engine = EngineProcess(f"http://127.0.0.1:{port}", token, proc, log_path)
-    deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with {proc.returncode}:\n{engine.log()[-3000:]}")
-        try:
-            health = httpx.get(engine.url + "/health", timeout=2.0, trust_env=False).json()
-            if health.get("state") == "serving":
-                return engine
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.2)
-    engine.close()
-    raise RuntimeError(f"engine did not serve within {ENGINE_START_TIMEOUT_S} s:\n{engine.log()[-3000:]}")
+    try:
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {proc.returncode}:\n{engine.log()[-3000:]}")
+            try:
+                health = httpx.get(engine.url + "/health", timeout=2.0, trust_env=False).json()
+                if health.get("state") == "serving":
+                    return engine
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"engine did not serve within {ENGINE_START_TIMEOUT_S} s:\n{engine.log()[-3000:]}")
+    except BaseException:  # a failed or interrupted start leaves no engine behind
+        engine.close()
+        raise
 
 
 class StreamingChat(threading.Thread):
@@ -144,7 +143,14 @@ class StreamingChat(threading.Thread):
 
 
 def run_async(qtbot, coro: Coroutine[Any, Any, Any], timeout_ms: int = 30000) -> Any:
-    """Run ``coro`` on the attached qasync loop while Qt processes events; return its result."""
+    """Run ``coro`` on the attached qasync loop while Qt processes events; return its result.
+
+    Past ``timeout_ms`` the task is cancelled and ``TimeoutError`` names the coroutine."""
+    what = getattr(coro, "__qualname__", repr(coro))
     task = asyncio.ensure_future(coro)
-    qtbot.waitUntil(task.done, timeout=timeout_ms)
+    try:
+        qtbot.waitUntil(task.done, timeout=timeout_ms)
+    except qtbot.TimeoutError:
+        task.cancel()
+        raise TimeoutError(f"waited {timeout_ms} ms for {what}") from None
     return task.result()

@@ -164,7 +164,7 @@ def test_second_launch_reaches_the_first_and_a_stale_socket_is_cleared(qtbot, tm
     assert not first.forward()  # nobody listening yet
     assert first.listen()
     second = SingleInstance(name)
-    with qtbot.waitSignal(first.message_received, timeout=5000) as got:
+    with qtbot.waitSignal(first.message_received, timeout=30000) as got:
         assert second.forward("show")
     assert got.args == ["show"]
     first.close()
@@ -199,5 +199,5 @@ def test_the_tray_process_never_loads_torch():
             "moetray.app.tray; bad = sorted(m for m in ('torch', 'transformers', 'moetray.engine') "
             "if m in sys.modules); print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+                            env={**os.environ, "QT_QPA_PLATFORM": "offscreen"}, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

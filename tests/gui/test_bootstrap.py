@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bounded import exit_code, wait_qt
 from live import run_async
 
 from moetray.app.application import AppOptions, MoetrayApp
@@ -24,10 +25,10 @@ from moetray.app.single_instance import SingleInstance, server_name
 from moetray.ui.viewmodels import EngineState
 
 
-def tray_process(settings: Path, tmp_path: Path, *args: str) -> subprocess.Popen:
+def tray_process(processes, settings: Path, tmp_path: Path, *args: str) -> subprocess.Popen:
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", XDG_CONFIG_HOME=str(tmp_path / "config"))
-    return subprocess.Popen([sys.executable, "-m", "moetray.app.cli", "--settings", str(settings), *args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return processes.spawn([sys.executable, "-m", "moetray.app.cli", "--settings", str(settings), *args],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def wait_listening(settings: Path, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -36,37 +37,29 @@ def wait_listening(settings: Path, proc: subprocess.Popen, timeout_s: float = 60
     deadline = time.monotonic() + timeout_s
     while not socket.exists():
         assert proc.poll() is None, proc.stdout.read().decode()
-        assert time.monotonic() < deadline, "the tray never listened"
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for the tray's single-instance socket"
         time.sleep(0.05)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_shuts_the_tray_down_cleanly(tmp_path, sig):
+def test_a_signal_shuts_the_tray_down_cleanly(tmp_path, sig, processes):
     settings = tmp_path / "moetray.conf"
-    tray = tray_process(settings, tmp_path, "--no-tray")
-    try:
-        wait_listening(settings, tray)
-        tray.send_signal(sig)
-        assert tray.wait(30) == 0, tray.stdout.read().decode()
-    finally:
-        if tray.poll() is None:
-            tray.kill()
+    tray = tray_process(processes, settings, tmp_path, "--no-tray")
+    wait_listening(settings, tray)
+    tray.send_signal(sig)
+    assert exit_code(tray, 60, f"the tray to end on {sig.name}") == 0, tray.stdout.read().decode()
 
 
-def test_a_second_launch_hands_over_to_the_first_and_exits(tmp_path):
+def test_a_second_launch_hands_over_to_the_first_and_exits(tmp_path, processes):
     settings = tmp_path / "moetray.conf"
-    first = tray_process(settings, tmp_path, "--no-tray")
-    try:
-        wait_listening(settings, first)
-        second = tray_process(settings, tmp_path, "--no-tray")
-        out, _ = second.communicate(timeout=60)
-        assert second.returncode == 0 and b"already running" in out
-        assert first.poll() is None  # the first one keeps running (and raised its window)
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(30) == 0
-    finally:
-        if first.poll() is None:
-            first.kill()
+    first = tray_process(processes, settings, tmp_path, "--no-tray")
+    wait_listening(settings, first)
+    second = tray_process(processes, settings, tmp_path, "--no-tray")
+    out, _ = second.communicate(timeout=60)
+    assert second.returncode == 0 and b"already running" in out
+    assert first.poll() is None  # the first one keeps running (and raised its window)
+    first.send_signal(signal.SIGTERM)
+    assert exit_code(first, 60, "the first tray to end on SIGTERM") == 0
 
 
 def test_bad_arguments_are_refused_in_one_sentence_before_qt():
@@ -98,7 +91,7 @@ def offline_app(qapp, qloop, qtbot, tmp_path):
 
 def test_closing_the_window_without_a_tray_is_quit(offline_app, qtbot):
     offline_app.open_dashboard()
-    with qtbot.waitSignal(offline_app.quit_requested, timeout=5000):
+    with qtbot.waitSignal(offline_app.quit_requested, timeout=30000):
         offline_app.window.close()
 
 
@@ -120,7 +113,7 @@ def test_shutdown_runs_once_however_many_exit_paths_fire(qapp, qloop, qtbot, tmp
     apps = []
     prepared = Prepared(hidden=True, attach=None, admin_token=None, no_tray=True, settings_file=None)
     task = asyncio.ensure_future(start_app(qapp, settings, prepared, single, sentinel, started=apps.append))
-    qtbot.waitUntil(lambda: bool(apps), timeout=10000)
+    wait_qt(qtbot, lambda: bool(apps), 30000, "start_app to build the app")
     shutdowns = []
     original = apps[0].shutdown
 
@@ -134,7 +127,7 @@ def test_shutdown_runs_once_however_many_exit_paths_fire(qapp, qloop, qtbot, tmp
     apps[0].quit()
     apps[0].window.header.quit.click()
     apps[0].window.close()
-    qtbot.waitUntil(task.done, timeout=30000)
+    wait_qt(qtbot, task.done, 30000, "start_app to return after the quit")
     assert task.result() == 0 and shutdowns == [1]
     assert not single.listening
     apps[0].window.deleteLater()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from bounded import wait_qt
 from live import StreamingChat, run_async
 from PySide6.QtCore import Qt
 
@@ -20,11 +21,14 @@ from moetray.ui.viewmodels import EngineState
 WAIT_MS = 30000
 
 
-def _pump_until(qapp, task, timeout_s=60.0):
+def _pump_until(qapp, task, what: str, timeout_s=60.0):
     import time
 
     deadline = time.monotonic() + timeout_s
-    while not task.done() and time.monotonic() < deadline:
+    while not task.done():
+        if time.monotonic() >= deadline:
+            task.cancel()
+            raise TimeoutError(f"waited {timeout_s:g} s for {what}")
         qapp.processEvents()
     return task.result()
 
@@ -35,26 +39,26 @@ def app(qapp, qloop, dashboard_engine, tmp_path_factory):
     app = MoetrayApp(qapp, settings, AppOptions(attach=dashboard_engine.url,
                                                 admin_token=dashboard_engine.token, no_tray=True))
     app.initialize()
-    _pump_until(qapp, asyncio.ensure_future(app.start()))
+    _pump_until(qapp, asyncio.ensure_future(app.start()), "the attached app to start")
     yield app
-    _pump_until(qapp, asyncio.ensure_future(app.shutdown()))
+    _pump_until(qapp, asyncio.ensure_future(app.shutdown()), "the app to shut down")
     app.window.close()
 
 
 @pytest.fixture
 def window(app, qtbot):
-    qtbot.waitUntil(lambda: app.model.engine.state == EngineState.SERVING, timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: app.model.engine.state == EngineState.SERVING, WAIT_MS, "the app to see serving")
     return app.window
 
 
 @pytest.fixture
 def idle(dashboard_engine, app, qtbot):
     """Each test starts and ends with no request running on the shared engine."""
-    qtbot.waitUntil(lambda: not dashboard_engine.request_ids(), timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: not dashboard_engine.request_ids(), WAIT_MS, "an idle engine before the test")
     yield
     for rid in dashboard_engine.request_ids():
         run_async(qtbot, app.cancel_request(rid))
-    qtbot.waitUntil(lambda: not dashboard_engine.request_ids(), timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: not dashboard_engine.request_ids(), WAIT_MS, "an idle engine after the test")
 
 
 def test_the_window_opens_attached_with_the_engines_model(window, dashboard_engine):
@@ -67,13 +71,14 @@ def test_the_window_opens_attached_with_the_engines_model(window, dashboard_engi
 def test_heatmap_reflects_the_engines_residency_map(app, window, dashboard_engine, idle, qtbot):
     chat = StreamingChat(dashboard_engine, max_tokens=6, content="route some tokens")
     chat.start()
-    qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
+    wait_qt(qtbot, chat.done.is_set, WAIT_MS, "the chat to end")
     assert chat.error is None and chat.chunks > 0, (chat.error, dashboard_engine.log()[-2000:])
-    qtbot.waitUntil(lambda: not dashboard_engine.request_ids(), timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: not dashboard_engine.request_ids(), WAIT_MS, "the engine to be idle")
     residency = dashboard_engine.status()["experts"]["residency"]  # stable while idle
     expected = tuple(tuple(row) for row in residency)
     window.show_tab("Experts")
-    qtbot.waitUntil(lambda: app.model.experts.residency == expected, timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: app.model.experts.residency == expected, WAIT_MS,
+            "the heatmap to show the engine's map")
     rgba = window.experts.heatmap.rgba
     assert rgba.shape[:2] == (len(residency), len(residency[0]))
     resident = [(li, e) for li, row in enumerate(residency) for e, slot in enumerate(row) if slot is not None]
@@ -89,13 +94,13 @@ def test_stop_on_a_row_cancels_that_request(app, window, dashboard_engine, idle,
     chat = StreamingChat(dashboard_engine, max_tokens=400)
     chat.start()
     window.show_tab("Requests")
-    qtbot.waitUntil(lambda: len(window.requests.row_ids()) == 1, timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: len(window.requests.row_ids()) == 1, WAIT_MS, "the request's row")
     rid = window.requests.row_ids()[0]
     qtbot.mouseClick(window.requests.stop_buttons[rid], Qt.MouseButton.LeftButton)
-    # The row goes as soon as the engine stops listing it (no need to wait for the next event).
-    qtbot.waitUntil(lambda: rid not in window.requests.row_ids(), timeout=3000)
+    # The row goes once the engine stops listing it (the cancel's reply, not a later event).
+    wait_qt(qtbot, lambda: rid not in window.requests.row_ids(), WAIT_MS, "the stopped request's row to go")
     assert rid not in dashboard_engine.request_ids()
-    qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
+    wait_qt(qtbot, chat.done.is_set, WAIT_MS, "the stopped chat to end")
     assert chat.finish_reason != "length" and chat.chunks < 400
 
 
@@ -104,12 +109,12 @@ def test_stop_all_cancels_every_request(app, window, dashboard_engine, idle, qtb
     for chat in chats:
         chat.start()
     window.show_tab("Requests")
-    qtbot.waitUntil(lambda: len(window.requests.row_ids()) == 2, timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: len(window.requests.row_ids()) == 2, WAIT_MS, "both requests' rows")
     qtbot.mouseClick(window.requests.stop_all_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: window.requests.row_ids() == [], timeout=3000)
+    wait_qt(qtbot, lambda: window.requests.row_ids() == [], WAIT_MS, "every row to go")
     assert dashboard_engine.request_ids() == []
     for chat in chats:
-        qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
+        wait_qt(qtbot, chat.done.is_set, WAIT_MS, "a stopped chat to end")
         assert chat.chunks < 400
 
 
@@ -122,15 +127,15 @@ def test_apply_changes_the_engines_pool_sizes_and_shows_the_outcome(app, window,
                                                                     idle, qtbot):
     window.show_tab("Pools")
     view = window.pools
-    qtbot.waitUntil(lambda: app.model.pools.enabled and view.slider.isEnabled(), timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: app.model.pools.enabled and view.slider.isEnabled(), WAIT_MS, "the pools slider")
     before = dashboard_engine.status()["pools"]
     target = _other_end(before)
     view.slider.setValue(target)  # what dragging the handle does
     selection = app.model.pools.selection
     assert selection.moe_slots == target and view.apply_button.isEnabled()
     qtbot.mouseClick(view.apply_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: app.model.pools.outcome is not None and not app.model.pools.applying,
-                    timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: app.model.pools.outcome is not None and not app.model.pools.applying,
+            WAIT_MS, "the re-split's outcome")
     outcome = app.model.pools.outcome
     assert outcome.outcome == "applied", outcome.text()
     assert view.outcome_text.startswith("Applied") and f"→ {target} slots" in view.outcome_text
@@ -143,15 +148,15 @@ def test_apply_while_busy_is_rejected_intact_with_the_engines_reason(app, window
                                                                      idle, qtbot):
     window.show_tab("Pools")
     view = window.pools
-    qtbot.waitUntil(lambda: app.model.pools.enabled, timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: app.model.pools.enabled, WAIT_MS, "the pools view")
     before = dashboard_engine.status()["pools"]
     chat = StreamingChat(dashboard_engine, max_tokens=400)
     chat.start()
-    qtbot.waitUntil(lambda: len(dashboard_engine.request_ids()) == 1, timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: len(dashboard_engine.request_ids()) == 1, WAIT_MS, "the chat to be admitted")
     view.slider.setValue(_other_end(before))
     qtbot.mouseClick(view.apply_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: app.model.pools.outcome is not None and not app.model.pools.applying
-                    and app.model.pools.outcome.kind is not None, timeout=WAIT_MS)
+    wait_qt(qtbot, lambda: app.model.pools.outcome is not None and not app.model.pools.applying
+            and app.model.pools.outcome.kind is not None, WAIT_MS, "the refused re-split's outcome")
     outcome = app.model.pools.outcome
     assert outcome.outcome == "rejected_intact", outcome.text()
     assert outcome.message and outcome.message in view.outcome_text  # the engine's words, verbatim

@@ -61,14 +61,14 @@ def test_metainfo_screenshots_exist_in_the_repository():
 @pytest.mark.skipif(shutil.which("desktop-file-validate") is None, reason="desktop-file-utils not installed")
 def test_desktop_files_pass_desktop_file_validate():
     result = subprocess.run(["desktop-file-validate", str(DESKTOP), str(AUTOSTART), str(RUNTIME_AUTOSTART)],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "error" not in result.stdout, result.stdout
 
 
 @pytest.mark.skipif(shutil.which("appstreamcli") is None, reason="appstream not installed")
 def test_metainfo_passes_appstream_validation():
     result = subprocess.run(["appstreamcli", "validate", "--no-net", str(METAINFO)],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout
 
 
@@ -76,10 +76,10 @@ def test_desktop_integration_script_installs_an_entry_pointing_at_this_moetray(t
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "data"),
            "MOETRAY_BIN": "/opt/moetray/bin/moetray"}
     subprocess.run(["sh", str(PACKAGING / "install-desktop-integration.sh")], env=env, check=True,
-                   capture_output=True)
+                   capture_output=True, timeout=60)
     installed = tmp_path / "data" / "applications" / DESKTOP.name
     assert entry(installed)["Exec"] == "/opt/moetray/bin/moetray"
     assert (tmp_path / "data" / "icons" / "hicolor" / "scalable" / "apps" / f"{APP_ID}.svg").is_file()
     subprocess.run(["sh", str(PACKAGING / "install-desktop-integration.sh"), "--uninstall"], env=env,
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, timeout=60)
     assert not installed.exists()

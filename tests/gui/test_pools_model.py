@@ -65,7 +65,9 @@ def test_every_slider_position_is_a_split_validate_rebuild_accepts(slots):
     model = serving_model()
     sizes = model.select_slots(slots)
     budget = model.budget
-    assert budget.validate(RebuildRequest(*sizes), model.current, idle=True) == sizes
+    state = sizes.state_slots if model.has_state_pool else None  # 0 = no such pool, not a size
+    assert budget.validate(RebuildRequest(sizes.moe_slots, sizes.kv_pages, state), model.current,
+                           idle=True) == sizes
 
 
 def test_projection_states_slots_tokens_and_bytes():

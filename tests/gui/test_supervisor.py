@@ -37,7 +37,7 @@ def sup(qloop, qtbot):
 
 
 def _ready(sup, qtbot, code):
-    with qtbot.waitSignal(sup.log_lines, timeout=10000) as lines:
+    with qtbot.waitSignal(sup.log_lines, timeout=60000) as lines:
         sup.start(plan(code))
     assert lines.args[0] == ["ready"]  # the child's output arrives as log lines
 
@@ -58,7 +58,7 @@ def test_a_child_already_gone_counts_as_stopped(sup, qtbot):
     _ready(sup, qtbot, SLEEPER)
     child = sup._child.proc
     child.kill()
-    child.wait()
+    child.wait(30)
     assert run_async(qtbot, sup.stop(grace_s=0.1, term_grace_s=0.1)) == -signal.SIGKILL
     assert sup.phase == Phase.IDLE
 
@@ -72,10 +72,10 @@ def test_a_second_start_while_running_is_refused(sup, qtbot):
 
 def test_one_restart_per_user_start(sup, qtbot):
     _ready(sup, qtbot, SLEEPER)
-    with qtbot.waitSignal(sup.log_lines, timeout=10000):  # restarted: the new child says ready
+    with qtbot.waitSignal(sup.log_lines, timeout=60000):  # restarted: the new child says ready
         sup._child.proc.kill()
     assert sup.restarts_used == 1 and sup.spawn_count == 2
-    with qtbot.waitSignal(sup.gave_up, timeout=10000):
+    with qtbot.waitSignal(sup.gave_up, timeout=60000):
         sup._child.proc.kill()
     assert sup.phase == Phase.FAILED and sup.spawn_count == 2
     _ready(sup, qtbot, SLEEPER)  # the user starts again: a fresh budget

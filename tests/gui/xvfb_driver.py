@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QPoint
+from PySide6.QtCore import QEvent, QObject, QPoint
 from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
 from moetray.app import compat
@@ -29,32 +29,54 @@ from moetray.app.tray import menu_texts
 from moetray.ui.viewmodels import EngineState
 
 
-async def wait_file(path: Path, timeout_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not path.exists():
-        if loop.time() > deadline:
-            raise TimeoutError(f"{path} did not appear")
-        await asyncio.sleep(0.05)
+class PaintCounter(QObject):
+    """Counts the paint events ``widget`` receives (so a screenshot waits for pixels, not a delay)."""
+
+    def __init__(self, widget) -> None:
+        super().__init__(widget)
+        self.count = 0
+        widget.installEventFilter(self)
+
+    def eventFilter(self, watched, event) -> bool:  # noqa: N802 - Qt's name
+        if event.type() == QEvent.Type.Paint:
+            self.count += 1
+        return False
 
 
-async def wait_until(condition, timeout_s: float = 60.0) -> None:
+async def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``condition`` on the running loop; ``TimeoutError`` naming ``what`` at the deadline."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not condition():
         if loop.time() > deadline:
-            raise TimeoutError("condition not met")
+            raise TimeoutError(f"waited {timeout_s:g} s for {what}")
         await asyncio.sleep(0.05)
 
 
+async def wait_file(path: Path, timeout_s: float = 60.0) -> None:
+    await wait_until(path.exists, f"the test to write {path.name}", timeout_s)
+
+
+async def next_snapshot(app) -> None:
+    """One more engine snapshot than now has reached the tray (the charts have moved)."""
+    seen = app.model.snapshots
+    await wait_until(lambda: app.model.snapshots > seen, "the next engine snapshot")
+
+
 async def drive(app, out: Path, model: str, tabs: list[str]) -> None:
+    # What the tray did, in the driver's log (the test shows its tail when a step fails).
+    app.supervisor.phase_changed.connect(lambda phase: print(f"[driver] supervisor: {phase}", flush=True))
+    app.model.logs.appended.connect(lambda lines: print(*lines, sep="\n", flush=True))
     try:
         app.start_serving(model)
-        await wait_until(lambda: app.model.engine.state == EngineState.SERVING, timeout_s=240)
+        await wait_until(lambda: app.model.engine.state == EngineState.SERVING, "the engine to serve",
+                         timeout_s=240)
         (out / "serving.json").write_text(json.dumps({"api_url": app.model.engine.api_url,
                                                       "pid": app.supervisor.pid}))
         await wait_file(out / "traffic-done", timeout_s=240)
-        await wait_until(lambda: app.model.snapshots >= 3)
+        # The test's three requests are in the tray's figures (so the menu shows a rate).
+        await wait_until(lambda: (app.model.throughput.requests_served or 0) >= 3,
+                         "the tray to see the three served requests")
         tray = app.tray
         report = {"tray_available": QSystemTrayIcon.isSystemTrayAvailable(), "tray": tray is not None}
         if tray is not None:
@@ -70,14 +92,15 @@ async def drive(app, out: Path, model: str, tabs: list[str]) -> None:
         window.resize(1100, 760)
         for i, tab in enumerate(tabs):
             window.show_tab(tab)
-            await asyncio.sleep(1.2)  # one more event so the charts have moved
+            await next_snapshot(app)
             (out / f"ready-{i}").touch()
             await wait_file(out / f"shot-{i}")
         if tray is not None:
             window.hide()
             geometry = tray.icon.geometry()
+            painted = PaintCounter(tray.menu)
             tray.menu.popup(QPoint(max(0, geometry.x() - 220), geometry.bottom() + 2))
-            await asyncio.sleep(0.5)
+            await wait_until(lambda: painted.count > 0, "the tray menu to be painted")
             (out / "ready-menu").touch()
             await wait_file(out / "shot-menu")
             tray.menu.hide()

@@ -29,6 +29,7 @@ from moetray.policy.anchor import (
 )
 from moetray.policy.parser import ToolCallFormat
 from moetray.policy.radix import RadixCache
+from moetray.policy.radix_state import HybridRadixCache
 
 POLICY = WindowPolicy(sliding_window=512, page_size=64, eviction_interval=128)
 OPENER = 7  # the anchor token id in detection tests
@@ -393,6 +394,67 @@ def test_a_hold_survives_later_splits_of_its_node():
     assert cache.protected_size == 20
     retention.release_all()
     assert cache.protected_size == 0
+    cache.check_integrity()
+
+
+# ---------------------------------------------------------------- AnchorRetention (recurrent state)
+
+STATE_SLOTS = itertools.count(10_000)
+
+
+def hybrid_turn(cache: HybridRadixCache, ids, snapshots_at=()) -> None:
+    """A finished hybrid turn as the engine inserts it: its KV, then its page-boundary snapshots."""
+    cached(cache, ids)
+    for boundary in snapshots_at:
+        assert cache.insert_state(ids[:boundary], next(STATE_SLOTS))
+
+
+def test_a_hybrid_hold_keeps_the_snapshot_at_the_opener_with_its_kv():
+    # The state at the opener is what resumes a hybrid model: pressure on snapshots and on
+    # KV must both spare it, exactly as a full-attention hold spares the KV prefix.
+    cache = HybridRadixCache(P)
+    retention = AnchorRetention(cache, max_held_tokens=64)
+    ids = turn(1, 40)
+    hybrid_turn(cache, ids, snapshots_at=(12, 20, 40))
+    decision = retention.hold(ids, anchor_len=22)
+    assert decision.outcome is HoldOutcome.HELD and decision.held.state
+    assert decision.held.prefix == ids[:20]  # the deepest snapshot within the opener's pages
+    assert (cache.protected_states, cache.protected_size) == (1, 20)
+    cache.evict_states(cache.evictable_states)
+    cache.evict_full(cache.evictable_size)
+    follow_up = ids[:22] + (5, 5, 5, 5)
+    assert cache.match_state(follow_up).cached_len == 20
+    retention.check_integrity()
+    cache.check_integrity()
+
+
+def test_a_hybrid_hold_without_a_snapshot_takes_no_lock():
+    # KV without a state cannot resume the turn: holding it would pin pages for nothing.
+    cache = HybridRadixCache(P)
+    retention = AnchorRetention(cache, max_held_tokens=64)
+    ids = turn(1, 40)
+    hybrid_turn(cache, ids, snapshots_at=(24,))  # only past the opener
+    decision = retention.hold(ids, anchor_len=22)
+    assert decision.outcome is HoldOutcome.NO_SNAPSHOT and decision.held is None
+    assert cache.protected_size == 0 and cache.protected_states == 0
+
+
+def test_snapshot_pressure_releases_the_oldest_state_holds_only_as_far_as_needed():
+    # A request needing a state slot outranks retention, oldest hold first.
+    cache = HybridRadixCache(P)
+    retention = AnchorRetention(cache, max_held_tokens=1000)
+    for conversation in (1, 2, 3):
+        ids = turn(conversation, 16)
+        hybrid_turn(cache, ids, snapshots_at=(8,))
+        retention.hold(ids, anchor_len=9)
+    assert cache.evictable_states == 0
+    released = retention.make_room_states(2)
+    assert [h.prefix[0] for h in released] == [1000, 2000]
+    assert cache.evictable_states == 2 and len(retention) == 1
+    assert retention.make_room_states(1) == ()  # already enough
+    assert AnchorRetention(RadixCache(P), 10).make_room_states(1) == ()  # no snapshots at all
+    retention.release_all()
+    assert cache.protected_states == 0 and cache.protected_size == 0
     cache.check_integrity()
 
 

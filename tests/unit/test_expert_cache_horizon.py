@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetray.policy.moe.expert_cache import ExpertCache, ExpertPlan, _Horizon
+from moetray.policy.moe.expert_cache import ExpertCache, ExpertPlan
+from moetray.policy.moe.horizon import Horizon
 
-LAMBDAS = _Horizon.LAMBDAS
+LAMBDAS = Horizon.LAMBDAS
 
 
 def predicted_horizon(history: list[int], passes_now: int, lam: float, owner: int, layer: int,
@@ -33,7 +34,7 @@ def predicted_horizon(history: list[int], passes_now: int, lam: float, owner: in
 calls_strategy = st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=4), min_size=1, max_size=70)
 
 
-@pytest.mark.parametrize("decay_table", [_Horizon.DECAY_TABLE, 2], ids=["tabulated", "computed"])
+@pytest.mark.parametrize("decay_table", [Horizon.DECAY_TABLE, 2], ids=["tabulated", "computed"])
 @pytest.mark.parametrize("policy", ["horizon", *(f"horizon@{lam}" for lam in LAMBDAS)])
 @settings(max_examples=40, deadline=None)
 @given(layers=st.integers(2, 4), capacity=st.integers(1, 12), calls=calls_strategy)
@@ -42,7 +43,7 @@ def test_victim_is_the_resident_needed_farthest_ahead(policy, decay_table, layer
     # shared CRF tables are shortcuts: a stale key or a stale head would evict an expert
     # that is needed sooner than another resident.
     experts = 8
-    with mock.patch.object(_Horizon, "DECAY_TABLE", decay_table):
+    with mock.patch.object(Horizon, "DECAY_TABLE", decay_table):
         cache = ExpertCache(layers, experts, min(capacity, layers * experts - 1), policy=policy)
     history: dict[tuple[int, int], list[int]] = {}
     passes = [0] * layers

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bounded import join
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -250,6 +251,6 @@ def test_concurrent_readers_share_one_probe():
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        join(thread, 30, "a reader of the shared probe")
     assert len(calls) == 1
     assert results == [Footprint(1, FootprintKind.PSS)] * 4

@@ -10,8 +10,10 @@ format, independent of the parser's tables) and cut at arbitrary points by hypot
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import json
+import pkgutil
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -147,7 +149,10 @@ def test_every_marker_string_is_written_once_in_the_parser():
     for m in TOOL_CALL_MARKERS.values():
         markers |= {v for k, v in vars(m).items() if isinstance(v, str) and k not in ("grammar", "trim")}
     markers -= {"\n", ">", ";"}  # one-character separators are not markers worth naming
-    literals = [node.value for node in ast.walk(ast.parse(inspect.getsource(parser_module)))
+    modules = [importlib.import_module(f"{parser_module.__name__}.{info.name}")
+               for info in pkgutil.iter_modules(parser_module.__path__)]
+    literals = [node.value for module in (parser_module, *modules)
+                for node in ast.walk(ast.parse(inspect.getsource(module)))
                 if isinstance(node, ast.Constant) and isinstance(node.value, str)]
     for marker in markers:
         assert literals.count(marker) == 1, marker

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from moetray.policy.pool_budget import (
     MIN_KV_PAGES,
+    MIN_STATE_SLOTS,
+    PRESET_STATE_SLOTS,
     BudgetTooSmall,
     PoolBudget,
     PoolFloors,
@@ -269,6 +273,38 @@ def test_a_pinned_split_that_does_not_fit_is_refused_like_a_rebuild(pinned):
     assert refusal.value.kind in ("too_large", "below_floor")
 
 
+HYBRID_PINNABLE = dataclasses.replace(PINNABLE, floors=PoolFloors(4, 3, 2), bytes_per_state_slot=50)
+
+
+@pytest.mark.parametrize(
+    ("pinned", "expected"),
+    [
+        (None, PoolSizes(40, 560, 8)),  # the default state reserve comes off the top
+        (RebuildRequest(state_slots=20), PoolSizes(40, 500, 20)),  # a pinned state pool replaces it
+        (RebuildRequest(kv_pages=500), PoolSizes(40, 500, 8)),
+        (RebuildRequest(moe_slots=20, state_slots=10), PoolSizes(20, 750, 10)),  # KV takes the rest
+        (RebuildRequest(kv_pages=900, state_slots=2), PoolSizes(9, 900, 2)),  # experts take the rest
+    ],
+)
+def test_plan_keeps_a_pinned_state_pool_and_fits_the_others_around_it(pinned, expected):
+    """``--state-slots`` pins the third pool; experts and KV share what it leaves."""
+    assert HYBRID_PINNABLE.plan(0, pinned=pinned) == expected
+
+
+@pytest.mark.parametrize(
+    ("budget", "pinned", "kind"),
+    [
+        (HYBRID_PINNABLE, RebuildRequest(state_slots=1), "below_floor"),
+        (HYBRID_PINNABLE, RebuildRequest(state_slots=1000), "too_large"),
+        (PINNABLE, RebuildRequest(state_slots=4), "no_such_pool"),  # no linear-attention layers
+    ],
+)
+def test_a_pinned_state_pool_that_cannot_be_served_is_refused_by_name(budget, pinned, kind):
+    with pytest.raises(RebuildRejected) as refusal:
+        budget.plan(0, pinned=pinned)
+    assert refusal.value.kind == kind
+
+
 def test_reserve_pages_rounds_up():
     """Rounding the KV reserve down would leave the last tokens of a reserved context without a page."""
     assert reserve_pages(8192, 16) == 512
@@ -409,17 +445,201 @@ def test_wire_round_trip_for_a_model_without_experts():
     assert dashboard.limits() == engine.limits()
 
 
+# --- the third pool: recurrent-state slots (hybrid models) ---------------------------------
+
+HYBRID = PoolFloors(moe_slots=8, kv_pages=16, state_slots=4)
+STATE_COSTS = {**COSTS, "bytes_per_state_slot": 64 * MiB}
+HYBRID_NOW = PoolSizes(64, 1024, 8)
+
+
+def validate_hybrid(request: RebuildRequest, **costs) -> PoolSizes:
+    return validate_rebuild(request, HYBRID_NOW, HYBRID, idle=True, **{**STATE_COSTS, **costs})
+
+
+def test_state_requests_touch_the_state_pool_and_invalidate_the_prefix_cache():
+    """Snapshots are slots in the state pool: re-creating it drops every snapshot the radix tree holds."""
+    request = RebuildRequest(state_slots=12)
+    assert not request.is_empty()
+    assert request.touched() == {"state"}
+    assert request.invalidates_prefix_cache()
+    assert RebuildRequest(1, 2, 3).touched() == {"moe", "kv", "state"}
+
+
+def test_a_state_request_on_a_model_without_the_pool_is_refused_by_name():
+    """A full-attention model answering 200 to a state resize would claim a pool it never had."""
+    refusal = rejected(RebuildRequest(state_slots=16))
+    assert (refusal.kind, refusal.pool) == ("no_such_pool", "state")
+
+
+def test_the_missing_expert_pool_is_named_before_the_missing_state_pool():
+    """The check order is part of the contract: moe, then state."""
+    refusal = rejected(RebuildRequest(moe_slots=64, state_slots=16), floors=PoolFloors(None, 16))
+    assert (refusal.kind, refusal.pool) == ("no_such_pool", "moe")
+
+
+def test_state_below_its_floor_names_pool_and_numbers():
+    """Fewer slots than the floor could not hold a running request beside its snapshot."""
+    with pytest.raises(RebuildRejected) as refusal:
+        validate_hybrid(RebuildRequest(state_slots=3))
+    assert (refusal.value.kind, refusal.value.pool, refusal.value.floor) == ("below_floor", "state", 4)
+    with pytest.raises(RebuildRejected) as refusal:
+        validate_rebuild(
+            RebuildRequest(state_slots=1),
+            HYBRID_NOW,
+            HYBRID._replace(state_slots=0),
+            idle=True,
+            **STATE_COSTS,
+        )
+    assert refusal.value.floor == MIN_STATE_SLOTS
+
+
+def test_state_slots_are_priced_in_the_fit_check_and_kept_when_unnamed():
+    """Pricing the state pool at nothing passes a re-split that dies after the free."""
+    assert validate_hybrid(RebuildRequest(kv_pages=512)) == PoolSizes(64, 512, 8)
+    net = STATE_COSTS["budget_bytes"]
+    room = (net - 64 * 16 * MiB - 1024 * MiB) // (64 * MiB)
+    assert validate_hybrid(RebuildRequest(state_slots=room)).state_slots == room
+    with pytest.raises(RebuildRejected) as refusal:
+        validate_hybrid(RebuildRequest(state_slots=room + 1))
+    assert refusal.value.kind == "too_large" and refusal.value.sizes == PoolSizes(64, 1024, room + 1)
+
+
+def test_a_state_pool_needs_a_positive_unit_cost():
+    """A zero per-slot cost would make every state size fit."""
+    with pytest.raises(ValueError):
+        validate_hybrid(RebuildRequest(state_slots=8), bytes_per_state_slot=0)
+
+
+def test_limits_trade_all_three_pools_against_the_other_floors():
+    """Each maximum leaves exactly the other floors' bytes; a model without the pool shows 0..0."""
+    costs = {**SMALL, "bytes_per_state_slot": 50}
+    limits = slider_limits(PoolFloors(4, 16, 2), max_moe_slots=1000, **costs)
+    assert (limits.state_min, limits.state_max) == (2, (10_000 - 4 * 100 - 16 * 10) // 50)
+    assert limits.moe_max == (10_000 - 16 * 10 - 2 * 50) // 100
+    assert limits.kv_max == (10_000 - 4 * 100 - 2 * 50) // 10
+    plain = slider_limits(PoolFloors(4, 16), max_moe_slots=1000, **costs)
+    assert (plain.state_min, plain.state_max) == (0, 0)
+    assert plain.to_wire()["state_slots"] == {"min": 0, "max": 0}
+
+
+def test_split_at_keeps_the_state_slots_and_gives_kv_the_rest():
+    """Moving the expert slider must not silently change how many requests can run at once."""
+    costs = {**SMALL, "bytes_per_state_slot": 50}
+    limits = slider_limits(PoolFloors(4, 16, 2), max_moe_slots=1000, **costs)
+    split = split_at(0.0, limits, state_slots=20, **costs)
+    assert split == PoolSizes(4, (10_000 - 400 - 20 * 50) // 10, 20)
+    assert split_at(0.0, limits, state_slots=10**6, **costs).state_slots == limits.state_max
+    assert split_at(1.0, limits, **costs).state_slots == 2  # unnamed: the floor
+
+
+def test_plan_reserves_state_slots_before_experts():
+    """Without state slots no request can run: the reserve comes before the expert share."""
+    plan = plan_budget(
+        PoolFloors(2, 0, 2),
+        budget_bytes=2000,
+        bytes_per_slot=100,
+        bytes_per_page=10,
+        bytes_per_state_slot=50,
+        max_moe_slots=50,
+        reserve_pages=10,
+        reserve_state_slots=8,
+    )
+    # state 8 × 50 = 400 first; experts (2000 − 400 − 10 × 10) // 100 = 15; KV the remaining 100 bytes
+    assert plan == PoolSizes(15, 10, 8)
+
+
+def test_presets_set_all_three_pools():
+    """A preset that left the state pool alone would not be the named split the user picked."""
+    by_name = dict(
+        presets(
+            PoolFloors(4, 16, 2),
+            max_moe_slots=1000,
+            page_size=16,
+            budget_bytes=1_000_000,
+            bytes_per_slot=100,
+            bytes_per_page=10,
+            bytes_per_state_slot=50,
+        )
+    )
+    assert by_name["minimum"] == PoolSizes(4, 16, 2)
+    assert by_name["chat"].state_slots == PRESET_STATE_SLOTS["chat"]
+    assert by_name["agent"].state_slots == PRESET_STATE_SLOTS["agent"]
+
+
+def test_project_prices_the_state_pool():
+    """The dashboard shows the third pool in GiB from the same unit cost the engine checks."""
+    proj = project(
+        PoolSizes(1, 2, 3), page_size=16, bytes_per_slot=1, bytes_per_page=10, bytes_per_state_slot=MiB
+    )
+    assert (proj.state_slots, proj.state_bytes, proj.total_bytes) == (3, 3 * MiB, 1 + 20 + 3 * MiB)
+
+
+def test_wire_round_trip_with_a_state_pool():
+    """The dashboard must rebuild the same three-pool limits and presets the engine enforces."""
+    engine = PoolBudget(
+        budget_bytes=4 * GiB,
+        bytes_per_slot=16 * MiB,
+        bytes_per_page=MiB,
+        page_size=16,
+        floors=HYBRID,
+        max_moe_slots=96,
+        fixed_bytes=100 * MiB,
+        bytes_per_state_slot=64 * MiB,
+    )
+    wire = engine.to_wire(HYBRID_NOW, kv_pages_used=1, kv_pages_evictable=2, state_slots_used=None)
+    assert (wire["state_slots"], wire["bytes_per_state_slot"], wire["state_slots_used"]) == (
+        8,
+        64 * MiB,
+        None,
+    )
+    assert wire["floors"]["state_slots"] == 4 and wire["limits"]["state_slots"]["min"] == 4
+    dashboard = PoolBudget.from_wire(wire)
+    assert dashboard.has_state_pool and dashboard.limits() == engine.limits()
+    assert dashboard.presets() == engine.presets()
+
+
+def test_a_model_without_a_state_pool_says_zero_not_unknown():
+    """state_slots: 0 is the pool's absence; an older payload without the fields reads the same way."""
+    engine = PoolBudget(
+        budget_bytes=GiB,
+        bytes_per_slot=MiB,
+        bytes_per_page=MiB,
+        page_size=16,
+        floors=FLOORS,
+        max_moe_slots=64,
+    )
+    wire = engine.to_wire(CURRENT, kv_pages_used=None, kv_pages_evictable=None, state_slots_used=None)
+    assert (wire["state_slots"], wire["state_slots_used"], wire["floors"]["state_slots"]) == (0, 0, 0)
+    assert wire["live_bytes"]["state_slots"] == 0 and wire["live_bytes"]["kv_pages"] is None
+    assert not PoolBudget.from_wire(wire).has_state_pool
+    older = {k: v for k, v in wire.items() if "state" not in k}
+    older["floors"] = {"moe_slots": 8, "kv_pages": 16}
+    assert PoolBudget.from_wire(older).floors == FLOORS
+
+
 # --- properties ---------------------------------------------------------------------------
 
 
 @st.composite
 def budgets(draw) -> PoolBudget:
     """Budgets around the floors' cost: mostly feasible, some just short, a few over-committed."""
-    floors = draw(st.builds(PoolFloors, st.one_of(st.none(), st.integers(0, 512)), st.integers(0, 64)))
+    floors = draw(
+        st.builds(
+            PoolFloors,
+            st.one_of(st.none(), st.integers(0, 512)),
+            st.integers(0, 64),
+            st.one_of(st.none(), st.integers(0, 64)),
+        )
+    )
     per_slot = draw(st.integers(1, 10**6))
     per_page = draw(st.integers(1, 10**5))
+    per_state = 0 if floors.state_slots is None else draw(st.integers(1, 10**7))
     fixed = draw(st.integers(0, 10**8))
-    floor_cost = (floors.moe_slots or 0) * per_slot + max(floors.kv_pages, MIN_KV_PAGES) * per_page
+    floor_cost = (
+        (floors.moe_slots or 0) * per_slot
+        + max(floors.kv_pages, MIN_KV_PAGES) * per_page
+        + (0 if floors.state_slots is None else max(floors.state_slots, MIN_STATE_SLOTS) * per_state)
+    )
     slack = draw(st.one_of(st.integers(-3 * per_page, 3 * per_slot), st.integers(-(10**9), 10**9)))
     return PoolBudget(
         budget_bytes=fixed + floor_cost + slack,
@@ -429,12 +649,16 @@ def budgets(draw) -> PoolBudget:
         floors=floors,
         max_moe_slots=draw(st.integers(0, 8192)),
         fixed_bytes=fixed,
+        bytes_per_state_slot=per_state,
     )
 
 
-sizes = st.builds(PoolSizes, st.integers(0, 10**5), st.integers(0, 10**6))
+sizes = st.builds(PoolSizes, st.integers(0, 10**5), st.integers(0, 10**6), st.integers(0, 10**3))
 requests = st.builds(
-    RebuildRequest, st.one_of(st.none(), st.integers(-5, 10**5)), st.one_of(st.none(), st.integers(-5, 10**6))
+    RebuildRequest,
+    st.one_of(st.none(), st.integers(-5, 10**5)),
+    st.one_of(st.none(), st.integers(-5, 10**6)),
+    st.one_of(st.none(), st.integers(-5, 10**3)),
 )
 
 
@@ -451,6 +675,9 @@ def test_validate_never_returns_sizes_over_budget_or_below_a_floor(budget, reque
         assert target.kv_pages >= max(budget.floors.kv_pages, MIN_KV_PAGES)
     if request.moe_slots is not None:
         assert budget.floors.moe_slots is not None and target.moe_slots >= budget.floors.moe_slots
+    if request.state_slots is not None:
+        assert budget.floors.state_slots is not None
+        assert target.state_slots >= max(budget.floors.state_slots, MIN_STATE_SLOTS)
 
 
 @given(budget=budgets(), fraction=st.floats(0, 1), reserve=st.integers(0, 10**6), current=sizes)
@@ -463,14 +690,27 @@ def test_nothing_the_ui_or_plan_offers_is_rejected(budget, fraction, reserve, cu
             budget.plan(reserve)
         return
     has_moe = budget.floors.moe_slots is not None
-    if not has_moe:
-        current = PoolSizes(0, current.kv_pages)  # a dense model's expert pool is empty
-    offered = [budget.plan(reserve), budget.split_at(fraction), *(p.sizes for p in budget.presets())]
+    has_state = budget.has_state_pool
+    current = PoolSizes(
+        current.moe_slots if has_moe else 0,  # a dense model's expert pool is empty
+        current.kv_pages,
+        current.state_slots if has_state else 0,  # so is a full-attention model's state pool
+    )
+    state_pick = limits.state_min + int(fraction * (limits.state_max - limits.state_min))
+    offered = [
+        budget.plan(reserve, reserve_state_slots=reserve % 97),
+        budget.split_at(fraction),
+        budget.split_at(fraction, state_slots=state_pick),
+        *(p.sizes for p in budget.presets()),
+    ]
     for offer in offered:
-        request = RebuildRequest(offer.moe_slots if has_moe else None, offer.kv_pages)
+        request = RebuildRequest(
+            offer.moe_slots if has_moe else None, offer.kv_pages, offer.state_slots if has_state else None
+        )
         assert budget.validate(request, current, idle=True) == offer
         assert limits.moe_min <= offer.moe_slots <= limits.moe_max
         assert limits.kv_min <= offer.kv_pages <= limits.kv_max
+        assert limits.state_min <= offer.state_slots <= limits.state_max
 
 
 @given(budget=budgets())
@@ -481,9 +721,16 @@ def test_limits_are_tight(budget):
     except BudgetTooSmall:
         return
     assume(budget.floors.moe_slots is not None)
-    kv_one_more = RebuildRequest(limits.moe_min, limits.kv_max + 1)
+    floor_state = limits.state_min if budget.has_state_pool else None
+    kv_one_more = RebuildRequest(limits.moe_min, limits.kv_max + 1, floor_state)
     with pytest.raises(RebuildRejected):
         budget.validate(kv_one_more, PoolSizes(0, 0), idle=True)
     if limits.moe_max < max(budget.max_moe_slots, limits.moe_min):  # bounded by memory, not by the cap
         with pytest.raises(RebuildRejected):
-            budget.validate(RebuildRequest(limits.moe_max + 1, limits.kv_min), PoolSizes(0, 0), idle=True)
+            budget.validate(
+                RebuildRequest(limits.moe_max + 1, limits.kv_min, floor_state), PoolSizes(0, 0), idle=True
+            )
+    if budget.has_state_pool:
+        state_one_more = RebuildRequest(limits.moe_min, limits.kv_min, limits.state_max + 1)
+        with pytest.raises(RebuildRejected):
+            budget.validate(state_one_more, PoolSizes(0, 0), idle=True)

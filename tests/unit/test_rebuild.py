@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from moetray.policy.pool_budget import PoolSizes, RebuildRequest
 from moetray.policy.rebuild import (
+    RUNNER_POOLS,
     Applied,
     EngineActivity,
     Latched,
@@ -168,6 +169,8 @@ def test_fresh_transaction_state():
         (RebuildRequest(kv_pages=1), {"kv"}),
         (RebuildRequest(moe_slots=16), {"moe"}),
         (RebuildRequest(moe_slots=16, kv_pages=1), {"moe", "kv"}),
+        (RebuildRequest(state_slots=4), {"state"}),
+        (RebuildRequest(kv_pages=1, state_slots=4), {"kv", "state"}),
         (RebuildRequest(), set()),
     ],
 )
@@ -186,6 +189,28 @@ def test_prefix_cache_invalidation_follows_kv_teardown():
     assert not moe.prefix_cache_invalidated(Applied(CURRENT))
 
 
+def test_a_state_pool_change_replaces_the_runner_and_drops_the_prefix_cache():
+    """KV and state belong to one batch runner: a state-only re-split re-creates it, and the
+    radix tree's snapshots pointed into the old state pool, so cached prompts are gone too."""
+    state = RebuildTxn.open(RebuildRequest(state_slots=12), CURRENT)
+    assert state.replaces_runner() and state.touched == {"state"}
+    assert state.prefix_cache_invalidated(Applied(CURRENT._replace(state_slots=12)))
+    assert not RebuildTxn.open(RebuildRequest(moe_slots=9), CURRENT).replaces_runner()
+    assert RUNNER_POOLS == {"kv", "state"}
+
+
+def test_a_failed_state_resize_restores_the_state_pool_it_touched():
+    """The restore re-creates exactly the touched pools at the sizes that fitted a moment ago."""
+    now = PoolSizes(8, 64, 6)
+    txn = RebuildTxn.open(RebuildRequest(state_slots=40), now)
+    engine = Engine(fail="oom")
+    outcome = txn.run(now._replace(state_slots=40), engine.free_then_allocate, engine.restore)
+    assert isinstance(outcome, RolledBack) and outcome.restored == now
+    assert [e for e in engine.events if e[0] == "restore"] == [("restore", now, frozenset({"state"}))]
+    body = txn.result(outcome, page_size=16, elapsed_ms=1.0)
+    assert body["before"]["state_slots"] == body["after"]["state_slots"] == 6
+
+
 def test_result_body_matches_the_wire_shape():
     """The dashboard shows the rebuild reply verbatim; after must equal before unless applied."""
     txn = RebuildTxn.open(RebuildRequest(kv_pages=4096), CURRENT)
@@ -193,8 +218,8 @@ def test_result_body_matches_the_wire_shape():
     body = txn.result(outcome, page_size=16, elapsed_ms=12.5)
     assert body == {
         "outcome": "rolled_back",
-        "before": {"moe_slots": 8, "kv_pages": 64, "kv_tokens": 1024},
-        "after": {"moe_slots": 8, "kv_pages": 64, "kv_tokens": 1024},
+        "before": {"moe_slots": 8, "kv_pages": 64, "kv_tokens": 1024, "state_slots": 0},
+        "after": {"moe_slots": 8, "kv_pages": 64, "kv_tokens": 1024, "state_slots": 0},
         "prefix_cache_invalidated": True,
         "elapsed_ms": 12.5,
     }
@@ -204,6 +229,7 @@ def test_result_body_matches_the_wire_shape():
         "moe_slots": 16,
         "kv_pages": 64,
         "kv_tokens": 1024,
+        "state_slots": 0,
     }
 
 

@@ -7,7 +7,9 @@ kind added without a row in ``wire.REFUSALS`` turns this test red.
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +65,35 @@ def test_every_failed_rebuild_outcome_is_mapped():
     assert outcome_kinds == set(OUTCOME_REFUSAL_KINDS)
     assert all(kind in REFUSALS for kind in outcome_kinds)
     assert Applied.refusal_kind is None
+
+
+SOURCE_ROOMS = ("policy", "engine", "app", "ui")
+
+
+def _kind_setters(tree: ast.Module) -> list[str]:
+    """Classes in ``tree`` that set ``kind`` themselves: a class attribute or ``self.kind = …``."""
+    found = []
+    for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+        for node in ast.walk(cls):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                own = isinstance(target, ast.Name) and target.id == "kind" and node in cls.body
+                on_self = (isinstance(target, ast.Attribute) and target.attr == "kind"
+                           and isinstance(target.value, ast.Name) and target.value.id == "self")
+                if own or on_self:
+                    found.append(f"{cls.name}:{node.lineno}")
+    return found
+
+
+def test_every_refusal_class_takes_its_kind_from_refused():
+    """Issue 16: one shape for every refusal: ``Refused`` sets ``kind`` (and checks it against
+    ``KINDS``); a class that sets its own skips that check and the shared ``fields``."""
+    repo = Path(__file__).resolve().parents[2]
+    offenders = []
+    for room in SOURCE_ROOMS:
+        for path in sorted((repo / room).rglob("*.py")):
+            if path == repo / "policy" / "refused.py":
+                continue
+            setters = _kind_setters(ast.parse(path.read_text(encoding="utf-8")))
+            offenders += [f"{path.relative_to(repo)}:{where}" for where in setters]
+    assert offenders == []
