@@ -162,7 +162,12 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     )
     eos_ids = loader.eos_token_ids(loaded.model, loaded.tokenizer)
     progress("probing the chat template", 0, 1)
-    chat = ChatSupport.probe(loaded.tokenizer, info, eos_ids=eos_ids)
+    chat = ChatSupport.probe(
+        loaded.tokenizer,
+        info,
+        eos_ids=eos_ids,
+        vocab_size=loaded.model.config.get_text_config().vocab_size,
+    )
     eos_ids += tuple(t for t in chat.turn_stop_ids if t not in eos_ids)
     settings = RunnerSettings(
         page_size=opts.page_size,

@@ -132,6 +132,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allowed-host", action="append", default=[], help="extra accepted Host header (repeatable)"
     )
+    p.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        help="another name a request's 'model' may give (repeatable; the id, 'default', the folder work)",
+    )
+    p.add_argument(
+        "--accept-any-model",
+        action="store_true",
+        help="serve whatever 'model' a request names (for clients that hard-code one)",
+    )
     p.add_argument("--outbox-dir", type=Path, default=None, help="where stop receipts are written")
     p.add_argument(
         "--rebuild-idle-timeout",
@@ -186,6 +197,8 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         link_gbps=args.link_gbps,
         outbox_dir=args.outbox_dir,
         rebuild_idle_timeout_s=args.rebuild_idle_timeout,
+        model_aliases=tuple(args.model_alias),
+        accept_any_model=args.accept_any_model,
         test_hooks=args.test_hooks,
         test_step_delay_s=args.test_step_delay_ms / 1000.0,
     )
