@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from moetray.engine.cb import GrammarCompiler
 from moetray.policy.anchor import resolve_anchor_token
 from moetray.policy.detokenize import IncrementalDetokenizer
 from moetray.policy.effort import (
@@ -39,6 +40,7 @@ from moetray.policy.parser import (
     infer_tool_call_format,
     prompt_opens_reasoning,
 )
+from moetray.policy.tool_prompt import with_tool_block
 from moetray.policy.turn import end_of_turn_stops, probe_end_of_turn
 
 log = logging.getLogger("moetray.engine.chat")
@@ -185,13 +187,20 @@ class ChatSupport:
     thinking: ThinkingProfile = field(default_factory=ThinkingProfile)
     anchor_token: int | None = None
     special_ids: frozenset[int] = frozenset()
+    template_renders_tools: bool = False  # the template has a tool section of its own
+    grammars: GrammarCompiler | None = None  # constrained decoding over this tokenizer
 
     @classmethod
-    def probe(cls, tokenizer, info, *, eos_ids: Sequence[int] = ()) -> ChatSupport:
-        """Learn the template by rendering: formats, end of turn, effort and thinking, the anchor token.
+    def probe(
+        cls, tokenizer, info, *, eos_ids: Sequence[int] = (), vocab_size: int | None = None
+    ) -> ChatSupport:
+        """Learn the template by rendering: formats, end of turn, effort and thinking, the anchor
+        token, whether it renders ``tools`` itself; build the grammar compiler's tokenizer view
+        (on the loading thread, so no request waits for it).
 
         Formats fall back to the checkpoint's identity when the template renders no markup;
-        a ``moetray.json`` sidecar may name them explicitly.
+        a ``moetray.json`` sidecar may name them explicitly. ``vocab_size`` is the model's
+        logits width (the grammar masks cover it).
         """
         identity = " ".join(
             str(x) for x in (info.model_id, info.architecture, info.sidecar.get("family", ""))
@@ -220,6 +229,9 @@ class ChatSupport:
             if len(ids) == 1:
                 stop_ids, stops = (int(ids[0]),), ()
                 special.add(stop_ids[0])  # a terminator is never shown as text
+        grammars = GrammarCompiler(
+            tokenizer, vocab_size=vocab_size or len(tokenizer), eos_ids=[*eos_ids, *stop_ids]
+        )
         support = cls(
             tokenizer=tokenizer,
             reasoning_format=reasoning,
@@ -231,7 +243,10 @@ class ChatSupport:
             thinking=probe_thinking(render),
             anchor_token=anchor,
             special_ids=frozenset(special),
+            template_renders_tools=_renders_tools(tokenizer),
+            grammars=grammars,
         )
+        grammars.prepare()
         log.info(
             "chat template: tools=%s reasoning=%s end_of_turn=%r effort=%s thinking=%s anchor=%s",
             tool_format,
@@ -253,7 +268,13 @@ class ChatSupport:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        """The chat template's text for ``messages`` (raises on a template error)."""
+        """The chat template's text for ``messages`` (raises on a template error).
+
+        When the template has no tool section, ``tools`` reach the prompt as a tool-use
+        system block in this family's format (``policy.tool_prompt``).
+        """
+        if tools and not self.template_renders_tools and self.tool_format is not None:
+            messages, tools = with_tool_block(messages, self.tool_format, tools), None
         return self.tokenizer.apply_chat_template(
             _normalize_messages(messages),
             tools=list(tools) if tools else None,
@@ -275,6 +296,17 @@ class ChatSupport:
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text; the template already placed any BOS it wants."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def open_reasoning_end(self, prompt_text: str) -> str | None:
+        """The marker that closes a reasoning block the prompt left open, or None.
+
+        A grammar that forces the answer must let such a block finish first. Harmony
+        channels are not markers: None.
+        """
+        fmt = self.reasoning_format
+        if fmt is None or fmt.markers.end is None or not prompt_opens_reasoning(fmt, prompt_text):
+            return None
+        return fmt.markers.end
 
     def stop_strings(self, requested: Sequence[str]) -> list[str]:
         """The request's stops plus the probed end-of-turn marker (``policy.turn``; none when it is EOS)."""
@@ -322,6 +354,12 @@ def _render_safe(tokenizer, messages, **kwargs) -> str | None:
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception:
         return None
+
+
+def _renders_tools(tokenizer) -> bool:
+    """Whether the template writes the ``tools`` it is given into the prompt."""
+    text = _render_safe(tokenizer, [{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL])
+    return text is not None and "probe_tool" in text
 
 
 def _probe_tool_format(tokenizer) -> ToolCallFormat | None:

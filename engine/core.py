@@ -74,6 +74,8 @@ class EngineOptions:
     link_gbps: float | None = None
     outbox_dir: Path | None = None
     rebuild_idle_timeout_s: float = 30.0
+    model_aliases: tuple[str, ...] = ()  # more names /v1/* accepts besides the id, "default", the folder
+    accept_any_model: bool = False  # accept any "model" name (clients that hard-code one)
     test_hooks: bool = False
     test_step_delay_s: float = 0.0  # test hook: every batch step sleeps this long (needs test_hooks)
     instance_id: str | None = None

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from moetray.engine.cb import BatchRunner, Sampling
+from moetray.engine.cb import BatchRunner, Sampling, TokenLogprob
 from moetray.engine.telemetry import Telemetry
 from moetray.policy.rebuild import EngineActivity
 from moetray.policy.refused import Refused
@@ -36,6 +36,7 @@ class Step:
     tokens: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
 
 _CANCELLED = object()
@@ -131,6 +132,8 @@ class Requests:
                 tokens = item.generated_tokens
                 self._account(record, tokens)
                 new = list(tokens[seen:])
+                taken = runner.logprobs(record.id)
+                logprobs = None if taken is None else taken[seen : len(tokens)]
                 seen = len(tokens)
                 if item.error is not None:
                     finished = True
@@ -138,10 +141,10 @@ class Requests:
                 if item.is_finished():
                     finished = True
                     ended_by_eos = not record.sampling.ignore_eos and tokens and tokens[-1] in eos_ids
-                    yield Step(new, True, "stop" if ended_by_eos else "length")
+                    yield Step(new, True, "stop" if ended_by_eos else "length", logprobs)
                     return
                 if new:
-                    yield Step(new, False)
+                    yield Step(new, False, logprobs=logprobs)
         finally:
             if not finished:
                 runner.cancel(record.id)

@@ -37,6 +37,7 @@ from moetray.engine.api.security import (  # noqa: E402
     check_bind,
     load_credentials,
 )
+from moetray.policy.precision import FORMATS  # noqa: E402
 from moetray.policy.wire import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES  # noqa: E402
 
 if TYPE_CHECKING:
@@ -70,7 +71,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs an API key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (0: any free port)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the pools live")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=FORMATS,
+        help="serving format: auto (the checkpoint's 16-bit dtype where this machine computes it, else "
+        "float32 on the CPU), float32, bfloat16, float16, or int8 (weight-only, lossy)",
+    )
     p.add_argument(
         "--moe-capacity",
         default=None,
@@ -124,6 +131,17 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--allowed-host", action="append", default=[], help="extra accepted Host header (repeatable)"
+    )
+    p.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        help="another name a request's 'model' may give (repeatable; the id, 'default', the folder work)",
+    )
+    p.add_argument(
+        "--accept-any-model",
+        action="store_true",
+        help="serve whatever 'model' a request names (for clients that hard-code one)",
     )
     p.add_argument("--outbox-dir", type=Path, default=None, help="where stop receipts are written")
     p.add_argument(
@@ -179,6 +197,8 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         link_gbps=args.link_gbps,
         outbox_dir=args.outbox_dir,
         rebuild_idle_timeout_s=args.rebuild_idle_timeout,
+        model_aliases=tuple(args.model_alias),
+        accept_any_model=args.accept_any_model,
         test_hooks=args.test_hooks,
         test_step_delay_s=args.test_step_delay_ms / 1000.0,
     )

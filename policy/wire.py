@@ -38,6 +38,8 @@ ROUTES: dict[str, Route] = {
     "models": Route("GET", "/v1/models", "api_key"),
     "chat_completions": Route("POST", "/v1/chat/completions", "api_key"),
     "completions": Route("POST", "/v1/completions", "api_key"),
+    "model": Route("GET", "/v1/models/{model}", "api_key"),
+    "responses": Route("POST", "/v1/responses", "api_key"),
     "status": Route("GET", "/admin/status", "admin"),
     "events": Route("GET", "/admin/events", "admin"),
     "rebuild": Route("POST", "/admin/cache/rebuild", "admin"),
@@ -98,6 +100,14 @@ REFUSALS: dict[str, Refusal] = {
     "invalid_request_error": Refusal(400, Retry.NEVER, "The request is malformed."),
     "context_length_exceeded": Refusal(400, Retry.NEVER, "The prompt is longer than the context."),
     "not_found": Refusal(404, Retry.NEVER, "No such object."),
+    "model_not_found": Refusal(404, Retry.NEVER, "This engine does not serve that model."),
+    "unsupported_content": Refusal(400, Retry.NEVER, "The model reads text only (no images or audio)."),
+    "invalid_schema": Refusal(400, Retry.NEVER, "The JSON schema cannot be enforced."),
+    "tools_unsupported": Refusal(400, Retry.NEVER, "This model's tool-call format is unknown."),
+    "constrained_decoding_unavailable": Refusal(
+        400, Retry.NEVER, "Constrained decoding cannot read this model's tokenizer."
+    ),
+    "unsupported_parameter": Refusal(400, Retry.NEVER, "This engine does not support that parameter."),
     "unauthorized": Refusal(401, Retry.NEVER, "Missing or wrong credentials."),
     "forbidden_host": Refusal(403, Retry.NEVER, "Unknown Host header (DNS rebinding guard)."),
     "method_not_allowed": Refusal(405, Retry.NEVER, "That route does not take this method."),
@@ -233,7 +243,9 @@ class ModelInfo(TypedDict):
     num_layers: int
     num_experts: int
     top_k: int
-    dtype: str
+    dtype: str  # activations and KV cache: "float32" | "bfloat16" | "float16"
+    weights: str  # "float32" | "bfloat16" | "float16" | "int8" (policy.precision.ServingFormat)
+    dtype_reason: str  # why: "--dtype …" or what auto saw ("auto: the checkpoint's bfloat16, computed …")
     context_length: int | None
 
 

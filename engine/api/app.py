@@ -25,6 +25,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moetray.engine.api.bodies import BodyGuard
@@ -112,6 +113,7 @@ def refusal_classes() -> tuple[type[Exception], ...]:
     """Every exception type that carries a refusal ``.kind`` (mapped through ``wire.REFUSALS``)."""
     from moetray.engine.api.errors import ApiError
     from moetray.engine.budget import ContextTooLong
+    from moetray.engine.cb import GrammarRefused
     from moetray.engine.core import EngineUnavailable
     from moetray.policy.effort import EffortRefused
     from moetray.policy.maintenance import AdmissionClosed, RebuildRefused, StopRefused
@@ -128,6 +130,7 @@ def refusal_classes() -> tuple[type[Exception], ...]:
         ContextTooLong,
         EngineUnavailable,
         EffortRefused,
+        GrammarRefused,
     )
 
 
@@ -143,6 +146,7 @@ def build_app(
     from moetray.engine.api.admin_routes import build_router as admin_router
     from moetray.engine.api.openai_routes import build_router as openai_router
     from moetray.engine.api.openapi import document
+    from moetray.engine.api.responses_routes import build_router as responses_router
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -153,7 +157,9 @@ def build_app(
         finally:
             engine.shutdown()
 
-    app = FastAPI(
+    # FastAPIOffline: /docs and /redoc serve their Swagger UI and Redoc assets from the
+    # installed package (fastapi-offline), never from a CDN, so they work with no network.
+    app = FastAPIOffline(
         title="moetray engine",
         version="0.1.0",
         lifespan=lifespan,
@@ -190,6 +196,7 @@ def build_app(
         app.add_exception_handler(cls, on_refusal)
 
     app.include_router(openai_router(engine))
+    app.include_router(responses_router(engine))
     app.include_router(admin_router(engine))
     # add_middleware puts each one outside the ones before it: security runs first.
     app.add_middleware(ReadinessGuard, engine=engine)

@@ -63,12 +63,16 @@ def internal_error_response(exc: BaseException) -> JSONResponse:
     )
 
 
+_REFUSAL_FIELDS = ("pool", "requested", "floor", "needed_bytes", "budget_bytes", "active", "state", "param")
+"""Attributes of a refusal that travel in its error body."""
+
+
 def exception_response(exc: BaseException) -> JSONResponse:
     """Map any exception with a ``.kind`` to its refusal; anything else is an internal error."""
     kind = getattr(exc, "kind", None)
     if isinstance(kind, str):
         extra = dict(getattr(exc, "extra", {}) or {})
-        for name in ("pool", "requested", "floor", "needed_bytes", "budget_bytes", "active", "state"):
+        for name in _REFUSAL_FIELDS:
             value = getattr(exc, name, None)
             if value is not None and name not in extra:
                 extra[name] = getattr(value, "value", value)

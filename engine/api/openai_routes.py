@@ -1,100 +1,33 @@
 """The OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
 
-Routes stay thin: validate (pydantic models first, then the context ceiling), admit through
-the gate, stream the engine's steps through a ``TextStream``. Every refusal happens before
-the engine changes: a malformed body, a prompt over the context, a closed gate. Errors use
-OpenAI's shape via ``policy.wire.error_body``.
+Routes stay thin: validate (``schemas`` first, then ``controls``: model, content, tools,
+output format, sampling; then the context ceiling), admit every choice through the gate,
+stream the engine's steps through ``runs``. Every refusal happens before the engine
+changes: a malformed body, an unknown model, a prompt over the context, a closed gate.
+Errors use OpenAI's shape via ``policy.wire.error_body``. ``/v1/responses`` lives in
+``responses_routes`` and starts its runs with :func:`start_chat`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.background import BackgroundTask
 
+from moetray.engine.api import controls
 from moetray.engine.api.errors import ApiError
-from moetray.engine.api.fields import whole_int
 from moetray.engine.api.prompts import chat_prompt, text_prompt
-from moetray.engine.budget import MAX_TOKENS_CEILING
+from moetray.engine.api.runs import ChoiceRun, chat_logprobs, completion_logprobs, run_choices, usage
+from moetray.engine.api.schemas import ChatRequest, CompletionRequest
 from moetray.engine.cb import Sampling
-from moetray.engine.chat import ChatDelta, TextStream
 from moetray.engine.core import Engine, RequestRecord
-from moetray.policy.parser import CallArguments, CallEnd, CallStart
-
-# --- request models ---------------------------------------------------------------------------
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    include_usage: StrictBool = False
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[dict[str, Any]] | None = None
-    name: StrictStr | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: StrictStr | None = None
-    reasoning_content: StrictStr | None = None
-
-
-class ToolFunction(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    name: StrictStr
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["function"] = "function"
-    function: ToolFunction
-
-
-class SamplingFields(BaseModel):
-    """Fields shared by both generation routes (unknown extra fields are accepted and ignored)."""
-
-    model_config = ConfigDict(extra="allow")
-    model: StrictStr | None = None
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
-    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: whole_int(-(1 << 63), (1 << 63) - 1) | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1)
-    # vLLM's extension: generate exactly max_tokens, past EOS and the end-of-turn marker.
-    ignore_eos: StrictBool = False
-    # Test hook (honoured only when the engine runs with --test-hooks): the real engine
-    # emits exactly these ids, or the encoding of this text, then EOS.
-    moetray_test_forced_tokens: list[StrictInt] | None = None
-    moetray_test_forced_text: StrictStr | None = None
-
-
-class ChatRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Any = None
-    reasoning_effort: StrictStr | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class CompletionRequest(SamplingFields):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] = ""
-    echo: StrictBool = False
-
 
 # --- shared pieces ----------------------------------------------------------------------------
 
@@ -110,124 +43,126 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def _sampling(engine: Engine, body: SamplingFields) -> Sampling:
-    forced = None
-    if body.moetray_test_forced_tokens is not None or body.moetray_test_forced_text is not None:
-        if not engine.options.test_hooks:
-            raise ApiError(
-                "invalid_request_error",
-                "test hooks are disabled on this engine",
-                param="moetray_test_forced_tokens",
-            )
-        if body.moetray_test_forced_tokens is not None:
-            forced = tuple(body.moetray_test_forced_tokens)
-        else:
-            forced = tuple(engine.chat_support().encode(body.moetray_test_forced_text))
-    return Sampling(
-        temperature=1.0 if body.temperature is None else float(body.temperature),
-        top_p=1.0 if body.top_p is None else float(body.top_p),
-        seed=body.seed,
-        forced_tokens=forced,
-        ignore_eos=body.ignore_eos,
-    )
-
-
-def _usage(record: RequestRecord) -> dict[str, Any]:
-    return {
-        "prompt_tokens": record.prompt_tokens,
-        "completion_tokens": record.generated,
-        "total_tokens": record.prompt_tokens + record.generated,
-        "prompt_tokens_details": {"cached_tokens": record.cached_tokens},
-    }
-
-
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
 
 
-async def _watch_disconnect(request: Request, engine: Engine, request_id: str) -> None:
-    """Cancel a non-streaming request whose client went away."""
+async def _watch_disconnect(request: Request, engine: Engine, records: Sequence[RequestRecord]) -> None:
+    """Cancel a non-streaming request's choices when its client went away."""
     while True:
         await asyncio.sleep(0.2)
         if await request.is_disconnected():
-            engine.cancel(request_id)
+            for record in records:
+                engine.cancel(record.id)
             return
 
 
-class _Run:
-    """One admitted request: feeds the engine's steps through its ``TextStream``.
+def _abandon_all(engine: Engine, records: Sequence[RequestRecord]) -> BackgroundTask:
+    def abandon() -> None:
+        for record in records:
+            engine.abandon(record.id)
 
-    ``every_step`` says whether the reply needs the engine's steps as they happen: a
-    streamed reply does, and so does one with a stop string (a match ends generation at
-    that step). Otherwise the engine hands over the whole reply once (``Engine.stream``'s
-    ``every_step=False``) and the text pipeline reads every token in one push.
-    """
+    return BackgroundTask(abandon)
 
-    def __init__(self, engine: Engine, record: RequestRecord, text: TextStream, *, every_step: bool) -> None:
-        self.engine = engine
-        self.record = record
-        self.text = text
-        self.every_step = every_step
-        self.finish_reason: str | None = None
-        self.calls: dict[int, dict[str, Any]] = {}
 
-    async def deltas(self) -> AsyncIterator[ChatDelta]:
-        stream = self.engine.stream(self.record, every_step=self.every_step)
-        async with contextlib.aclosing(stream) as steps:
-            async for step in steps:
-                delta = self.text.push(step.tokens)
-                if self.text.stopped is not None:
-                    self.finish_reason = "stop"
-                    yield self._merge(delta, self.text.finish())
-                    return  # closing the step stream cancels the request and frees its pages
-                if step.finished:
-                    self.finish_reason = step.finish_reason
-                    yield self._merge(delta, self.text.finish())
-                    return
-                if delta:
-                    yield delta
+def admit_choices(
+    engine: Engine, prompt_ids: list[int], *, n: int, max_new_tokens: int, sampling: Sampling
+) -> list[RequestRecord]:
+    """Admit ``n`` choices of one prompt, all or none (a refusal releases the ones admitted)."""
+    records: list[RequestRecord] = []
+    try:
+        for i in range(n):
+            choice = controls.for_choice(sampling, i)
+            records.append(engine.admit(prompt_ids, max_new_tokens=max_new_tokens, sampling=choice))
+    except BaseException:
+        for record in records:
+            engine.abandon(record.id)
+        raise
+    return records
 
-    @staticmethod
-    def _merge(a: ChatDelta, b: ChatDelta) -> ChatDelta:
-        return ChatDelta(a.reasoning + b.reasoning, a.content + b.content, a.tool_events + b.tool_events)
 
-    def tool_call_deltas(self, events) -> list[dict[str, Any]]:
-        """OpenAI ``delta.tool_calls`` entries for parser events (arguments streamed prefix-stably)."""
-        out = []
-        for ev in events:
-            if isinstance(ev, CallStart):
-                call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": ev.name, "arguments": ""}
-                self.calls[ev.index] = call
-                out.append(
-                    {
-                        "index": ev.index,
-                        "id": call["id"],
-                        "type": "function",
-                        "function": {"name": ev.name, "arguments": ""},
-                    }
-                )
-            elif isinstance(ev, CallArguments):
-                self.calls[ev.index]["arguments"] += ev.fragment
-                out.append({"index": ev.index, "function": {"arguments": ev.fragment}})
-            elif isinstance(ev, CallEnd):
-                call = self.calls[ev.index]
-                rest = (
-                    ev.arguments[len(call["arguments"]) :]
-                    if ev.arguments.startswith(call["arguments"])
-                    else None
-                )
-                if rest is None:  # not prefix-stable: the parser's final word wins
-                    call["arguments"] = ev.arguments
-                elif rest:
-                    call["arguments"] = ev.arguments
-                    out.append({"index": ev.index, "function": {"arguments": rest}})
-        return out
+@dataclass
+class ChatStart:
+    """A chat request admitted: its choices, ready to run."""
 
-    def final_reason(self) -> str:
-        if self.calls and self.finish_reason in ("stop", None):
-            return "tool_calls"
-        return self.finish_reason or "stop"
+    runs: list[ChoiceRun]
+    records: list[RequestRecord]
+    token_bytes: Any  # GrammarCompiler.token_bytes
+
+
+async def start_chat(
+    engine: Engine,
+    *,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool,
+    response_format: dict[str, Any] | None,
+    body: Any,
+    max_tokens: int | None,
+    stops: list[str],
+    n: int = 1,
+    logprobs: int | None = None,
+    stream: bool,
+    template_kwargs: dict[str, Any] | None = None,
+) -> ChatStart:
+    """Validate, render, constrain and admit a chat request (shared by chat and responses)."""
+    chat = engine.chat_support()
+    controls.check_model(engine, body.model)
+    controls.check_content(messages)
+    plan = controls.plan_output(
+        chat,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
+        response_format=response_format,
+    )
+    prompt_text, prompt_ids = await chat_prompt(
+        engine, chat, messages, plan.prompt_tools, template_kwargs or {}
+    )
+    max_new = engine.fit_max_tokens(len(prompt_ids), max_tokens)
+    stops = stops if getattr(body, "ignore_eos", False) else chat.stop_strings(stops)
+    grammar = await controls.compile_plan(chat, plan, prompt_text)
+    sampling = controls.sampling_for(engine, body, logprobs=logprobs, grammar=grammar)
+    records = admit_choices(engine, prompt_ids, n=n, max_new_tokens=max_new, sampling=sampling)
+    runs = [
+        ChoiceRun(
+            engine,
+            record,
+            chat.text_stream(
+                prompt_ids=prompt_ids,
+                prompt_text=prompt_text,
+                stops=stops,
+                tools=plan.parser_tools,
+                chat=True,
+            ),
+            index=i,
+            every_step=stream or bool(stops) or n > 1,
+        )
+        for i, record in enumerate(records)
+    ]
+    return ChatStart(runs, records, chat.grammars.token_bytes)
+
+
+def _head(response_id: str, engine: Engine) -> dict[str, Any]:
+    return {"id": response_id, "created": int(time.time()), "model": engine.model_id()}
+
+
+def _model_card(engine: Engine) -> dict[str, Any] | None:
+    info = engine.model_info()
+    if info is None:
+        return None
+    return {
+        "id": info["id"],
+        "object": "model",
+        "created": int(engine.started_unix),
+        "owned_by": "moetray",
+        "label": info["label"],
+        "context_length": info["context_length"],
+        "architecture": info["architecture"],
+        "aliases": controls.served_names(engine)[1:],
+    }
 
 
 # --- routes -----------------------------------------------------------------------------------
@@ -238,53 +173,53 @@ def build_router(engine: Engine) -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        info = engine.model_info()
-        data = []
-        if info is not None:
-            data.append(
-                {
-                    "id": info["id"],
-                    "object": "model",
-                    "created": int(engine.started_unix),
-                    "owned_by": "moetray",
-                    "label": info["label"],
-                    "context_length": info["context_length"],
-                    "architecture": info["architecture"],
-                }
-            )
-        return {"object": "list", "data": data}
+        card = _model_card(engine)
+        return {"object": "list", "data": [card] if card is not None else []}
+
+    @router.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        card = _model_card(engine)
+        if card is None:
+            engine.chat_support()  # refuses with the gate's state while loading
+        controls.check_model(engine, model)
+        return card
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         chat = engine.chat_support()
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        template_kwargs = chat.template_kwargs(body.reasoning_effort, body.chat_template_kwargs)
-        prompt_text, prompt_ids = await chat_prompt(engine, chat, messages, tools, template_kwargs)
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_new = engine.fit_max_tokens(len(prompt_ids), requested)
-        stops = _stops(body.stop) if body.ignore_eos else chat.stop_strings(_stops(body.stop))
-        sampling = _sampling(engine, body)
-        record = engine.admit(prompt_ids, max_new_tokens=max_new, sampling=sampling)
-        text = chat.text_stream(
-            prompt_ids=prompt_ids, prompt_text=prompt_text, stops=stops, tools=tools, chat=True
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(
+                "invalid_request_error", "top_logprobs needs logprobs: true", param="top_logprobs"
+            )
+        start = await start_chat(
+            engine,
+            messages=[m.model_dump(exclude_none=True) for m in body.messages],
+            tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+            tool_choice=body.tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
+            response_format=body.response_format,
+            body=body,
+            max_tokens=body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens,
+            stops=_stops(body.stop),
+            n=body.n,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            stream=body.stream,
+            template_kwargs=chat.template_kwargs(body.reasoning_effort, body.chat_template_kwargs),
         )
-        run = _Run(engine, record, text, every_step=body.stream or bool(stops))
-        model = engine.model_id()
-        created = int(time.time())
-        cid = f"chatcmpl-{record.id}"
+        head = _head(f"chatcmpl-{start.records[0].id}", engine)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _chat_sse(run, cid, created, model, include_usage),
+                _chat_sse(start, head, include_usage, body.logprobs),
                 media_type="text/event-stream",
-                background=BackgroundTask(engine.abandon, record.id),
+                background=_abandon_all(engine, start.records),
             )
-        return JSONResponse(await _chat_whole(run, request, cid, created, model))
+        return JSONResponse(await _chat_whole(start, request, head, body.logprobs))
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         chat = engine.chat_support()
+        controls.check_model(engine, body.model)
         if body.echo:
             raise ApiError("invalid_request_error", "echo is not supported", param="echo")
         prompt = body.prompt
@@ -306,145 +241,136 @@ def build_router(engine: Engine) -> APIRouter:
         max_new = engine.fit_max_tokens(
             len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16
         )
-        sampling = _sampling(engine, body)
+        sampling = controls.sampling_for(engine, body, logprobs=body.logprobs)
         stops = _stops(body.stop)
-        record = engine.admit(prompt_ids, max_new_tokens=max_new, sampling=sampling)
-        text = chat.text_stream(prompt_ids=prompt_ids, prompt_text=None, stops=stops, tools=None, chat=False)
-        run = _Run(engine, record, text, every_step=body.stream or bool(stops))
-        cid = f"cmpl-{record.id}"
-        created = int(time.time())
-        model = engine.model_id()
+        records = admit_choices(engine, prompt_ids, n=body.n, max_new_tokens=max_new, sampling=sampling)
+        runs = [
+            ChoiceRun(
+                engine,
+                record,
+                chat.text_stream(
+                    prompt_ids=prompt_ids, prompt_text=None, stops=stops, tools=None, chat=False
+                ),
+                index=i,
+                every_step=body.stream or bool(stops) or body.n > 1,
+            )
+            for i, record in enumerate(records)
+        ]
+        start = ChatStart(runs, records, chat.grammars.token_bytes)
+        head = _head(f"cmpl-{records[0].id}", engine)
+        logprobs = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _completion_sse(run, cid, created, model, include_usage),
+                _completion_sse(start, head, include_usage, logprobs),
                 media_type="text/event-stream",
-                background=BackgroundTask(engine.abandon, record.id),
+                background=_abandon_all(engine, records),
             )
-        watcher = asyncio.create_task(_watch_disconnect(request, engine, record.id))
+        watcher = asyncio.create_task(_watch_disconnect(request, engine, records))
         try:
-            pieces = [d.content async for d in run.deltas()]
+            async for _ in run_choices(runs):
+                pass
         finally:
             watcher.cancel()
+        choices = []
+        for run in runs:
+            choices.append(
+                {
+                    "index": run.index,
+                    "text": "".join(run.content),
+                    "logprobs": completion_logprobs(run.logprobs, start.token_bytes, offset=0)
+                    if logprobs
+                    else None,
+                    **run.finish(),
+                }
+            )
         return JSONResponse(
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": "".join(pieces),
-                        "finish_reason": run.final_reason(),
-                        "logprobs": None,
-                    }
-                ],
-                "usage": _usage(record),
-            }
+            {"object": "text_completion", **head, "choices": choices, "usage": usage(records)}
         )
 
     return router
 
 
 async def _chat_whole(
-    run: _Run, request: Request, cid: str, created: int, model: str | None
+    start: ChatStart, request: Request, head: dict[str, Any], logprobs: bool
 ) -> dict[str, Any]:
-    watcher = asyncio.create_task(_watch_disconnect(request, run.engine, run.record.id))
-    content, reasoning, events = [], [], []
+    runs = start.runs
+    watcher = asyncio.create_task(_watch_disconnect(request, runs[0].engine, start.records))
+    events: dict[int, list] = {run.index: [] for run in runs}
     try:
-        async for delta in run.deltas():
-            content.append(delta.content)
-            reasoning.append(delta.reasoning)
-            events.extend(delta.tool_events)
+        async for piece in run_choices(runs):
+            events[piece.index].extend(piece.delta.tool_events)
     finally:
         watcher.cancel()
-    run.tool_call_deltas(events)
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
-    if any(reasoning):
-        message["reasoning_content"] = "".join(reasoning)
-    if run.calls:
-        message["tool_calls"] = [
+    choices = []
+    for run in runs:
+        run.tool_call_deltas(events[run.index])
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(run.content)}
+        if any(run.reasoning):
+            message["reasoning_content"] = "".join(run.reasoning)
+        if run.calls:
+            message["tool_calls"] = run.tool_calls()
+            if not message["content"]:
+                message["content"] = None
+        choices.append(
             {
-                "id": c["id"],
-                "type": "function",
-                "function": {"name": c["name"], "arguments": c["arguments"] or "{}"},
-            }
-            for _, c in sorted(run.calls.items())
-        ]
-        if not message["content"]:
-            message["content"] = None
-    return {
-        "id": cid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": run.final_reason(), "logprobs": None}],
-        "usage": _usage(run.record),
-    }
-
-
-async def _chat_sse(run: _Run, cid: str, created: int, model: str | None, include_usage: bool):
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return _sse(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                "index": run.index,
+                "message": message,
+                "logprobs": chat_logprobs(run.logprobs, start.token_bytes) if logprobs else None,
+                **run.finish(),
             }
         )
+    return {"object": "chat.completion", **head, "choices": choices, "usage": usage(start.records)}
 
-    yield chunk({"role": "assistant", "content": ""})
-    async for delta in run.deltas():
+
+async def _chat_sse(start: ChatStart, head: dict[str, Any], include_usage: bool, logprobs: bool):
+    def chunk(index: int, delta: dict[str, Any], lp=None, finish: dict[str, Any] | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": None, **(finish or {})}
+        return _sse({"object": "chat.completion.chunk", **head, "choices": [choice]})
+
+    runs = {run.index: run for run in start.runs}
+    for run in start.runs:
+        yield chunk(run.index, {"role": "assistant", "content": ""})
+    async for piece in run_choices(start.runs):
+        run, delta = runs[piece.index], piece.delta
+        lp = chat_logprobs(piece.logprobs, start.token_bytes) if logprobs and piece.logprobs else None
+        out = []
         if delta.reasoning:
-            yield chunk({"reasoning_content": delta.reasoning})
+            out.append({"reasoning_content": delta.reasoning})
         if delta.content:
-            yield chunk({"content": delta.content})
+            out.append({"content": delta.content})
         calls = run.tool_call_deltas(delta.tool_events)
         if calls:
-            yield chunk({"tool_calls": calls})
-    yield chunk({}, run.final_reason())
+            out.append({"tool_calls": calls})
+        for j, d in enumerate(out):
+            yield chunk(piece.index, d, lp if j == 0 else None)
+        if piece.finished:
+            yield chunk(piece.index, {}, None if out else lp, run.finish())
     if include_usage:
-        yield _sse(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _usage(run.record),
-            }
-        )
+        yield _sse({"object": "chat.completion.chunk", **head, "choices": [], "usage": usage(start.records)})
     yield _sse("[DONE]")
 
 
-async def _completion_sse(run: _Run, cid: str, created: int, model: str | None, include_usage: bool):
-    def chunk(text: str, finish: str | None = None) -> bytes:
-        return _sse(
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-            }
-        )
+async def _completion_sse(start: ChatStart, head: dict[str, Any], include_usage: bool, logprobs: bool):
+    offsets = {run.index: 0 for run in start.runs}
 
-    async for delta in run.deltas():
-        if delta.content:
-            yield chunk(delta.content)
-    yield chunk("", run.final_reason())
+    def chunk(index: int, text: str, entries, finish: dict[str, Any] | None = None) -> bytes:
+        lp = None
+        if logprobs and entries:
+            lp = completion_logprobs(entries, start.token_bytes, offset=offsets[index])
+        offsets[index] += len(text)
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": None, **(finish or {})}
+        return _sse({"object": "text_completion", **head, "choices": [choice]})
+
+    runs = {run.index: run for run in start.runs}
+    async for piece in run_choices(start.runs):
+        if piece.delta.content:
+            yield chunk(piece.index, piece.delta.content, piece.logprobs)
+        if piece.finished:
+            rest = [] if piece.delta.content else piece.logprobs
+            yield chunk(piece.index, "", rest, runs[piece.index].finish())
     if include_usage:
-        yield _sse(
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _usage(run.record),
-            }
-        )
+        yield _sse({"object": "text_completion", **head, "choices": [], "usage": usage(start.records)})
     yield _sse("[DONE]")
+
+

@@ -36,11 +36,21 @@ GENERATION = (
     "rebuilding",
     "failed",
 )
+CHAT = (
+    *GENERATION,
+    "model_not_found",
+    "unsupported_content",
+    "invalid_schema",
+    "tools_unsupported",
+    "constrained_decoding_unavailable",
+)
 ROUTE_REFUSALS: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", "/health"): (),
     ("GET", "/v1/models"): ("loading", "failed"),
-    ("POST", "/v1/chat/completions"): GENERATION,
-    ("POST", "/v1/completions"): GENERATION,
+    ("GET", "/v1/models/{model}"): ("model_not_found", "loading", "failed"),
+    ("POST", "/v1/chat/completions"): CHAT,
+    ("POST", "/v1/completions"): (*GENERATION, "model_not_found"),
+    ("POST", "/v1/responses"): (*CHAT, "unsupported_parameter"),
     ("GET", "/admin/status"): (),
     ("GET", "/admin/events"): (),
     ("GET", "/admin/requests"): (),
@@ -70,7 +80,7 @@ ROUTE_REFUSALS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 """The refusal kinds each route raises itself (``wire.REFUSALS`` keys); the middleware's are added by rule."""
 
-STREAMING_ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions")}
+STREAMING_ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses")}
 """JSON, or ``text/event-stream`` when the body asks ``"stream": true``."""
 EVENT_STREAM_ONLY = {("GET", "/admin/events")}
 

@@ -123,7 +123,7 @@ def _stream_one(url: str, prompt: str, tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     first, n = None, 0
     body = {
-        "model": "m",
+        "model": "default",
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": tokens,
         "temperature": 0,

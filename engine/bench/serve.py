@@ -15,7 +15,9 @@ through HTTP exactly as a client's would. Measured in one run:
 4. **HTTP round trip** — ``GET /v1/models`` on a kept-alive connection (no generation): the
    fixed per-request cost of the HTTP layer, which every request of (1) pays once;
 5. **re-split latency per byte moved** — ``POST /admin/cache/rebuild`` shifting the KV pool
-   by 64 MiB, 256 MiB and 1 GiB, and the expert pool between its floor and all experts.
+   by 64 MiB, 256 MiB and 1 GiB, and the expert pool between its floor and all experts;
+6. **constrained decoding** — tok/s of ``json_schema`` and ``tool_choice="required"`` requests
+   against the same prompts unconstrained, at concurrency 1 and 8 (``bench.constrained``).
 
 The model is ``--model DIR``, or (default) a random-weight Qwen3-MoE generated once into the
 cache with a 4096-token context so the prefix fits; random weights make outputs meaningless
@@ -265,7 +267,9 @@ async def throughput(
 ) -> dict[str, Any]:
     """Completion tokens per second for ``requests`` distinct prompts, ``concurrency`` at a time.
 
-    ``extra`` fields go into every request body (``ignore_eos`` for a fixed token count)."""
+    ``extra`` fields go into every request body (``ignore_eos`` for a fixed token count; the
+    constrained-decoding rows' ``response_format`` and ``tools``).
+    """
     sem = asyncio.Semaphore(concurrency)
     tokens: list[int] = []
 
@@ -278,7 +282,7 @@ async def throughput(
             tokens.append(int(reply["usage"]["completion_tokens"]))
 
     async with httpx.AsyncClient(timeout=600.0) as client:
-        await _chat(client, url, model, [{"role": "user", "content": f"warm-up {tag}"}], 4)
+        await _chat(client, url, model, [{"role": "user", "content": f"warm-up {tag}"}], 4, extra)
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i, client) for i in range(requests)))
         wall = time.perf_counter() - t0
@@ -460,6 +464,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--logdir", type=Path, default=None)
     p.add_argument(
+        "--constrained-only",
+        action="store_true",
+        help="only the constrained-decoding rows (moetray alone; receipt serve-constrained.json)",
+    )
+    p.add_argument(
         "--hybrid",
         action="store_true",
         help="serve a generated hybrid (Gated DeltaNet + attention) model: state snapshots vs cold, "
@@ -469,6 +478,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    from moetray.engine.bench.constrained import CONSTRAINED_NOTE, constrained, constrained_rows
+
     args = parser().parse_args(argv)
     if args.hybrid:
         from moetray.engine.bench.serve_hybrid import run
@@ -485,7 +496,13 @@ def main(argv: list[str]) -> int:
     logdir.mkdir(parents=True, exist_ok=True)
     page, kv_pages = args.page_size, args.kv_tokens // args.page_size
     common = dict(threads=args.threads, logdir=logdir, page=page, batch_tokens=args.max_batch_tokens)
-    results: dict[str, Any] = {"throughput": {}, "http_rtt_ms": {}, "ttft": {}, "pressure": {}, "resplit": []}
+    if args.constrained_only:
+        from moetray.engine.bench.constrained import constrained_main
+
+        return constrained_main(args, model_dir, common)
+    results: dict[str, Any] = {
+        "throughput": {}, "http_rtt_ms": {}, "ttft": {}, "pressure": {}, "resplit": [], "constrained": {}
+    }
     children: list[Child] = []
     try:
         print("starting moetray serve…", flush=True)
@@ -519,6 +536,13 @@ def main(argv: list[str]) -> int:
                     cpu_s = _cpu_seconds(child) - cpu0
                     res["server_cpu_ms_per_token"] = cpu_s / max(1, res["tokens"]) * 1e3
                     results["throughput"][name][str(c)].append(res)
+        for c in (1, 8):
+            results["constrained"][str(c)] = asyncio.run(
+                constrained(
+                    mt, served_id, concurrency=c, requests=args.requests, max_tokens=args.max_tokens,
+                    rounds=args.rounds,
+                )
+            )
         for name, child, _ in servers:
             print(f"HTTP round trip on {name}…", flush=True)
             results["http_rtt_ms"][name] = http_round_trip_ms(child.url)
@@ -623,6 +647,9 @@ def main(argv: list[str]) -> int:
                 None,
             ]
         )
+    c_rows, c_goals = constrained_rows(results["constrained"])
+    rows += c_rows
+    notes.append(CONSTRAINED_NOTE)
     ratio8 = rows[2][3]
     t = results["ttft"].get("moetray")
     speedup = t["cold_ms_median"] / t["followup_ms_median"] if t else None
@@ -631,6 +658,7 @@ def main(argv: list[str]) -> int:
         "tok_s_ratio_c8_ge_1.5": None if ratio8 is None else ratio8 >= 1.5,
         "radix_hit_ttft_speedup_ge_5": None if speedup is None else speedup >= 5.0,
         "resplit_1gib_lt_250ms": None if worst_gib is None else worst_gib < 250.0,
+        **c_goals,
     }
     notes.append(
         f"Goals: {json.dumps(goals)} (c=8 ratio {ratio8}, follow-up speed-up {speedup}, "

@@ -152,7 +152,7 @@ async def run_load(url: str, plan: LoadPlan, tally: LoadTally | None = None) -> 
             max_tokens = rng.randint(*plan.max_tokens)
             hangs_up = rng.random() < plan.disconnect_fraction
             hang_up = rng.randint(2, max(2, max_tokens // 2 + 1)) if hangs_up else None
-            body = {"model": "soak", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            body = {"model": "default", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
                     "temperature": 0.7, "seed": rng.randrange(1 << 30),
                     "messages": [{"role": "user", "content": _prompt(rng, index * 100000 + sent)}]}
             sent += 1

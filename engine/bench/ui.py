@@ -84,7 +84,7 @@ class _Traffic(threading.Thread):
         while not self.stop.is_set():
             try:
                 httpx.post(self.url + "/v1/chat/completions", timeout=60, trust_env=False, json={
-                    "model": "bench", "max_tokens": 16,
+                    "model": "default", "max_tokens": 16,
                     "messages": [{"role": "user", "content": f"Say something short ({self.sent})."}]})
                 self.sent += 1
             except httpx.HTTPError:

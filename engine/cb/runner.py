@@ -37,7 +37,7 @@ from moetray.engine.cb.prefix import (
     choose_prefix_policy,
 )
 from moetray.engine.cb.recurrent import install_linear_attention
-from moetray.engine.cb.sampling import Sampling, SamplingProcessors, sampling_kwargs
+from moetray.engine.cb.sampling import Sampling, SamplingProcessors, TokenLogprob, sampling_kwargs
 from moetray.engine.cb.state import HybridLedger, StateGeometry
 
 log = logging.getLogger("moetray.engine.cb")
@@ -295,6 +295,7 @@ class BatchRunner:
             on_output(output)
 
         self._handlers[request_id] = on_output
+        manager.logit_processor.register(request_id, sampling, len(input_ids))
         manager.register_result_handler(request_id, deliver)
         if on_progress is not None:
             router = _router(manager)
@@ -310,6 +311,7 @@ class BatchRunner:
         )
         if added is None:
             self._drop_handler(request_id)
+            manager.logit_processor.release(request_id)
             raise RuntimeError("the generation loop is not accepting requests")
 
     def cancel(self, request_id: str) -> bool:
@@ -361,8 +363,21 @@ class BatchRunner:
         """Prompt tokens the prefix cache served for this request (0 before it was scheduled)."""
         return self._cached_tokens.get(request_id, 0)
 
+    def logprobs(self, request_id: str) -> list[TokenLogprob] | None:
+        """The log-probabilities taken so far, one per generated token; None when not asked for."""
+        manager = self.manager
+        return None if manager is None else manager.logit_processor.logprobs(request_id)
+
+    def masks_computed(self) -> int | None:
+        """Grammar masks computed since start (one per constrained row per step); None when stopped."""
+        manager = self.manager
+        return None if manager is None else manager.logit_processor.masks_computed
+
     def forget(self, request_id: str) -> None:
+        """The reply is over: drop what was kept for it (prefix accounting, sampling-stage state)."""
         self._cached_tokens.pop(request_id, None)
+        if self.manager is not None:
+            self.manager.logit_processor.release(request_id)
 
     def _require(self) -> ContinuousBatchingManager:
         if self.manager is None or not self.manager.is_running():

@@ -155,7 +155,8 @@ def test_admin_cancel_ends_a_decoding_request_and_frees_its_pages(slow):
     r = httpx.post(f"{slow.url}{wire.route_path('cancel', request_id=row['id'])}", headers=ADMIN)
     assert r.status_code == 200 and r.json() == {"id": row["id"], "cancelled": True}
     join(thread, 30, "the cancelled stream to end")
-    assert chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
+    last = chunks[-1]["choices"][0]  # OpenAI's finish_reason, the admin Stop named beside it
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", "cancelled")
     snap = slow.wait_idle()
     assert snap["pools"]["kv_pages_used"] == 0
 
@@ -170,8 +171,9 @@ def test_admin_cancel_during_prefill(slow):
     assert row["tokens"] == 0
     httpx.post(f"{slow.url}/admin/requests/{row['id']}/cancel", headers=ADMIN).raise_for_status()
     join(thread, 30, "the cancelled stream to end")
-    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
-    assert finishes[-1] == "cancelled"
+    ends = [c["choices"][0] for c in chunks if c["choices"]]
+    finishes = [(c["finish_reason"], c.get("stop_reason")) for c in ends]
+    assert finishes[-1] == ("stop", "cancelled")
     assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])
     assert slow.wait_idle()["pools"]["kv_pages_used"] == 0
 

@@ -26,7 +26,7 @@ def test_a_live_engine_serves_a_gpt_oss_gguf_with_its_experts_in_blocks(gpt_oss_
         with engine.client() as client:
             reply = client.post(
                 "/v1/chat/completions",
-                json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                json={"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
                       "temperature": 0},
             )
             assert reply.status_code == 200, reply.text

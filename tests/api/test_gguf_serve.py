@@ -140,9 +140,8 @@ def test_a_live_engine_over_a_gguf_serves_openai_routes_with_experts_offloaded(t
     engine = LiveEngine(tiny_gguf, tmp_path, moe_capacity=8)
     try:
         with engine.client() as client:
-            reply = client.post(
-                "/v1/completions", json={"model": "x", "prompt": "Hello", "max_tokens": 6, "temperature": 0}
-            )
+            body = {"model": "default", "prompt": "Hello", "max_tokens": 6, "temperature": 0}
+            reply = client.post("/v1/completions", json=body)
             assert reply.status_code == 200, reply.text
             status = client.get("/admin/status", headers=ADMIN).json()
         assert status["pools"]["moe_slots"] == 8

@@ -66,10 +66,10 @@ def test_streamed_chat_equals_the_whole_reply(client):
     """SSE deltas concatenate to exactly the non-streaming reply (same seed, same tokens)."""
     messages = [{"role": "user", "content": "Tell me about experts"}]
     whole = client.chat.completions.create(
-        model="m", messages=messages, max_tokens=16, temperature=0.8, seed=11
+        model="default", messages=messages, max_tokens=16, temperature=0.8, seed=11
     )
     stream = client.chat.completions.create(
-        model="m",
+        model="default",
         messages=messages,
         max_tokens=16,
         temperature=0.8,
@@ -105,7 +105,7 @@ def test_tool_call_reaches_the_openai_client_as_structured_tool_calls(client):
     """Hermes tool-call text from the engine becomes `tool_calls` with JSON arguments, finish tool_calls."""
     forced = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     reply = client.chat.completions.create(
-        model="m",
+        model="default",
         messages=[{"role": "user", "content": "Weather in Paris?"}],
         tools=[WEATHER_TOOL],
         max_tokens=200,
@@ -127,7 +127,7 @@ def test_streamed_tool_call_and_reasoning(client):
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     )
     stream = client.chat.completions.create(
-        model="m",
+        model="default",
         messages=[{"role": "user", "content": "Weather in Oslo?"}],
         tools=[WEATHER_TOOL],
         max_tokens=200,
@@ -153,7 +153,7 @@ def test_streamed_tool_call_and_reasoning(client):
 def test_reasoning_is_split_from_the_answer(client):
     forced = "<think>pondering deeply</think>The answer is 4."
     reply = client.chat.completions.create(
-        model="m",
+        model="default",
         messages=[{"role": "user", "content": "2+2?"}],
         max_tokens=200,
         temperature=0,
@@ -168,7 +168,7 @@ def test_stop_string_cuts_the_text_and_ends_the_request_early(live, client):
     """A stop string ends the reply exactly before it; the request stops generating (pages freed)."""
     forced = "Hello there STOP and a very long tail that must never be generated " * 3
     reply = client.chat.completions.create(
-        model="m",
+        model="default",
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=400,
         temperature=0,
@@ -185,7 +185,7 @@ def test_ignore_eos_runs_to_max_tokens_past_the_models_eos(client, ignore_eos):
     """vLLM's ``ignore_eos``: the forced reply ends in EOS, yet the request runs to max_tokens."""
     forced = "Hello there"
     reply = client.chat.completions.create(
-        model="m",
+        model="default",
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=24,
         temperature=0,
@@ -202,12 +202,12 @@ def test_ignore_eos_runs_to_max_tokens_past_the_models_eos(client, ignore_eos):
 def test_follow_up_turn_reports_cached_prompt_tokens(client):
     """A follow-up that repeats the conversation is served from the prefix cache (usage says so)."""
     history = [{"role": "user", "content": "Remember the word mixture " * 12}]
-    first = client.chat.completions.create(model="m", messages=history, max_tokens=4, temperature=0)
+    first = client.chat.completions.create(model="default", messages=history, max_tokens=4, temperature=0)
     history += [
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "Which word?"},
     ]
-    second = client.chat.completions.create(model="m", messages=history, max_tokens=4, temperature=0)
+    second = client.chat.completions.create(model="default", messages=history, max_tokens=4, temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert second.usage.prompt_tokens_details.cached_tokens % live_page_size() == 0
 
@@ -250,7 +250,7 @@ BAD_BODIES = [
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),

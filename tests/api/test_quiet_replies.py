@@ -19,7 +19,7 @@ def _counts(live) -> tuple[int, int]:
 
 def _chat(live, **extra) -> dict:
     body = {
-        "model": "m",
+        "model": "default",
         "messages": [{"role": "user", "content": "Tell me about pages and experts"}],
         "max_tokens": 10,
         "temperature": 0,
@@ -33,7 +33,7 @@ def _chat(live, **extra) -> dict:
 
 def _streamed_chat(live, **extra) -> tuple[str, dict]:
     body = {
-        "model": "m",
+        "model": "default",
         "messages": [{"role": "user", "content": "Tell me about pages and experts"}],
         "max_tokens": 10,
         "temperature": 0,

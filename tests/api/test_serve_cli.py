@@ -48,6 +48,8 @@ def test_serve_comes_up_before_the_model_and_writes_a_private_token_file(tiny_qw
         "1",
         "--outbox-dir",
         str(tmp_path / "out"),
+        "--model-alias",
+        "gpt-4o-mini",
     ]
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
@@ -76,6 +78,9 @@ def test_serve_comes_up_before_the_model_and_writes_a_private_token_file(tiny_qw
         assert ok.status_code == 200 and ok.json()["pools"]["kv_tokens"] == 1024
         assert httpx.get(f"http://127.0.0.1:{port}/admin/status").status_code == 401
         assert token not in " ".join(proc.args)  # never on argv
+        models = f"http://127.0.0.1:{port}/v1/models"
+        assert httpx.get(f"{models}/gpt-4o-mini").status_code == 200  # --model-alias
+        assert httpx.get(f"{models}/gpt-4o").json()["error"]["code"] == "model_not_found"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         exit_code(proc, 30, "the engine to end on SIGTERM")

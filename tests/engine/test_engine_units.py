@@ -19,7 +19,7 @@ from moetray.engine.api.security import (
 )
 from moetray.engine.budget import ContextCeiling, ContextTooLong, cpu_budget
 from moetray.engine.cb import Sampling, kv_bytes_per_page, seeded_uniform
-from moetray.engine.cb.sampling import _DrawProcessor
+from moetray.engine.cb.sampling import _DrawProcessor, _Step
 from moetray.engine.serve import parse_bytes
 from moetray.policy.wire import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, API_KEY_ENV
 
@@ -173,7 +173,7 @@ def test_kv_page_bytes_follow_the_model_geometry(tiny_moe):
 def test_the_draw_processor_picks_greedy_forced_and_seeded_tokens():
     import torch
 
-    draw = _DrawProcessor()
+    draw = _DrawProcessor(_Step())  # a step with no rows asking for log-probabilities
     scores = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
     codes = torch.tensor([-1, -(2 + 2), int(0.999 * 2**31)], dtype=torch.int32)
     out = draw(scores, codes)
@@ -186,7 +186,7 @@ def test_the_draw_processor_picks_greedy_forced_and_seeded_tokens():
 def test_the_draw_processor_without_sampled_rows_takes_the_argmax_path():
     import torch
 
-    draw = _DrawProcessor()
+    draw = _DrawProcessor(_Step())  # a step with no rows asking for log-probabilities
     scores = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 1.0, 0.0, 0.0]])
     out = draw(scores, torch.tensor([-1, -(3 + 2)], dtype=torch.int32))
     assert out.argmax(dim=-1).tolist() == [1, 3]

@@ -114,7 +114,7 @@ class StreamingChat(threading.Thread):
                  content: str = "tell me a story") -> None:
         super().__init__(daemon=True)
         self.engine = engine
-        self.body = {"model": "tiny", "stream": True, "max_tokens": max_tokens,
+        self.body = {"model": "default", "stream": True, "max_tokens": max_tokens,
                      "ignore_eos": True, "messages": [{"role": "user", "content": content}]}
         self.chunks = 0
         self.finish_reason: str | None = None

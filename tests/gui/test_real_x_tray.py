@@ -116,7 +116,7 @@ def test_tray_icon_menu_and_dashboard_on_a_real_x_server(x_display, tiny_model, 
     api = serving["api_url"]
     for i in range(3):  # some traffic, so the charts and the heatmap have something to show
         httpx.post(api + "/chat/completions", timeout=120, trust_env=False, json={
-            "model": "tiny", "max_tokens": 12, "messages": [{"role": "user", "content": f"hi {i}"}]})
+            "model": "default", "max_tokens": 12, "messages": [{"role": "user", "content": f"hi {i}"}]})
     (tmp_path / "traffic-done").touch()
     report = json.loads(wait_until(lambda: out("report.json"), 120, "the tray's report").read_text())
     assert report["tray_available"] and report["tray"], report
