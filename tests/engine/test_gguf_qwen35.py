@@ -141,3 +141,65 @@ def test_the_models_row_is_servable_with_family_qwen35moe(files, tmp_path):
         "gguf", "qwen35moe", True, True, None)
     info = inspect_checkpoint(files["Q8_0"])
     assert info.architecture == "Qwen3_5MoeForCausalLM" and info.num_experts == 8 and info.moe_layers == 4
+
+
+def _with_mtp_block(path: Path, dest: Path) -> Path:
+    """``path`` rewritten as the converter writes a checkpoint with a multi-token-prediction block:
+    one more block (``blk.4``, the last layer's tensors again plus the ``nextn`` projection and
+    norms) counted in ``block_count``, and ``nextn_predict_layers`` saying it is MTP."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(dest, "qwen35moe")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = field.contents()
+        if name == "qwen35moe.block_count":
+            value += 1
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+    writer.add_nextn_predict_layers(1)
+    hidden = 256
+    extra = {
+        "blk.4.nextn.eh_proj.weight": np.full((hidden, 2 * hidden), 0.01, np.float32),
+        **{f"blk.4.nextn.{norm}.weight": np.ones(hidden, np.float32)
+           for norm in ("enorm", "hnorm", "shared_head_norm")},
+    }
+    for t in reader.tensors:
+        data = np.array(t.data)
+        writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+        if t.name.startswith("blk.3."):
+            extra[t.name.replace("blk.3.", "blk.4.", 1)] = data
+    for name, data in extra.items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dest
+
+
+def test_a_files_multi_token_prediction_block_is_left_unloaded(files, tmp_path):
+    """Real Qwen3.5/3.6 files carry an MTP block as their last ``blk.N``; the decoder is the blocks
+    before it (transformers' model has no MTP module), and its experts stay out of the store."""
+    path = _with_mtp_block(files["F32"], tmp_path / "mtp.gguf")
+    ck, om = _offloaded(path)
+    assert ck.metadata["qwen35moe.block_count"] == 5 and ck.config.num_hidden_layers == 4
+    assert om.store.num_layers == 4
+    without = _greedy(_offloaded(files["F32"])[1].model)
+    assert _greedy(om.model) == _greedy(_transformers_load(path)) == without
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_metadata(files, source):
+    from transformers import AutoTokenizer
+
+    from moetray.engine.models.gguf import load_gguf_tokenizer
+
+    ours, theirs = load_gguf_tokenizer(read_gguf(files["Q8_0"])), AutoTokenizer.from_pretrained(source)
+    text = "Gated DeltaNet layers keep a state; experts stay in their blocks."
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(
+        messages, tokenize=False
+    )
