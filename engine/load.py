@@ -75,6 +75,8 @@ class ServedModel:
             "num_experts": info.num_experts,
             "top_k": self.loaded.top_k,
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "weights": self.loaded.format.weights,
+            "dtype_reason": self.loaded.format.reason,
             "context_length": info.context_length if context_length is None else context_length,
         }
 
@@ -96,7 +98,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     info = loader.inspect_checkpoint(model_dir)
     prefix_policy = choose_prefix_policy(opts.prefix_policy, info.config)
     device = loader.resolve_device(opts.device)
-    dtype = loader.resolve_dtype(opts.dtype, info, device)
+    fmt = loader.serving_format(opts.dtype, info, device)
     top_k = opts.top_k or info.default_top_k
     if top_k != info.top_k and not info.top_k_adjustable:
         raise loader.CheckpointError(
@@ -111,7 +113,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     loaded = loader.load_checkpoint(
         info,
         device=device,
-        dtype=dtype,
+        fmt=fmt,
         capacity=floor_slots,
         top_k=top_k,
         progress=progress,
@@ -119,6 +121,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         policy=opts.expert_policy,
     )
     runtime = loaded.runtime
+    dtype = loaded.dtype  # activations and the KV cache
     if baseline_free is not None:  # a CUDA device, measured before the weights went in
         measured = cuda_budget(
             device,

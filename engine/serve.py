@@ -38,6 +38,7 @@ from moetray.engine.api.security import (  # noqa: E402
     load_credentials,
 )
 from moetray.engine.lifeline import watch_parent  # noqa: E402
+from moetray.policy.precision import FORMATS  # noqa: E402
 from moetray.policy.wire import (  # noqa: E402
     API_KEY_ENV,
     DEFAULT_MAX_BODY_BYTES,
@@ -76,7 +77,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs an API key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (0: any free port)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the pools live")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=FORMATS,
+        help="serving format: auto (the checkpoint's 16-bit dtype where this machine computes it, else "
+        "float32 on the CPU), float32, bfloat16, float16, or int8 (weight-only, lossy)",
+    )
     p.add_argument(
         "--moe-capacity",
         default=None,

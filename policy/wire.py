@@ -255,7 +255,9 @@ class ModelInfo(TypedDict):
     num_layers: int
     num_experts: int
     top_k: int
-    dtype: str
+    dtype: str  # activations and KV cache: "float32" | "bfloat16" | "float16"
+    weights: str  # "float32" | "bfloat16" | "float16" | "int8" (policy.precision.ServingFormat)
+    dtype_reason: str  # why: "--dtype …" or what auto saw ("auto: the checkpoint's bfloat16, computed …")
     context_length: int | None
 
 

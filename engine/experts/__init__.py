@@ -120,13 +120,14 @@ def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.devi
                          cpu_layers: str | None = None, link_gbps: float | None = None,
                          progress: Callable[[str, int, int | None], None] | None = None,
                          allocate: Callable[..., torch.Tensor] | None = None,
-                         compute: str | None = None) -> OffloadedModel:
+                         compute: str | None = None, expert_format: str | None = None) -> OffloadedModel:
     """Load ``checkpoint_dir`` with its routed experts in the host store and ``capacity`` device slots.
 
     ``compute`` names the stock experts implementation whose arithmetic the runtime
     reproduces bit for bit (``"grouped_mm"``, transformers' default and the default here, or
     ``"eager"``); an unknown name is refused (:class:`UnknownComputeMode`) before anything
-    is read.
+    is read. ``expert_format="int8"`` keeps the experts as int8 rows computed by the weight-only
+    int8 kernel (:mod:`moetray.engine.experts.int8`); None keeps them in ``dtype``.
     ``progress(stage, done, total)`` reports loading. ``allocate(shape, dtype, device)``
     replaces the slot pool's allocator (fault injection). Raises :class:`LoaderError`,
     :class:`ExpertStoreError`, or the planner's ``CacheRefused`` for a bad capacity or
@@ -139,14 +140,14 @@ def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.devi
                                                     pin=False, progress=progress)
     return offload_loaded(model, store, modules, device=dev, capacity=capacity, policy=policy,
                           fetch_fraction=fetch_fraction, cpu_layers=cpu_layers, link_gbps=link_gbps,
-                          allocate=allocate, compute=compute)
+                          allocate=allocate, compute=compute, expert_format=expert_format)
 
 
 def offload_loaded(model, store: ExpertStore, modules: list[torch.nn.Module], *, device: torch.device,
                    capacity: int, policy: str | None = None, fetch_fraction: float | None = None,
                    cpu_layers: str | None = None, link_gbps: float | None = None,
                    allocate: Callable[..., torch.Tensor] | None = None,
-                   compute: str | None = None) -> OffloadedModel:
+                   compute: str | None = None, expert_format: str | None = None) -> OffloadedModel:
     """Put a loaded skeleton (non-expert weights on ``device``, Experts modules empty) and its
     expert store behind the ``"moetray"`` runtime: the second half of :func:`load_offloaded_model`,
     shared with the quantized-format loaders (``moetray.engine.models.gguf``). The q* split is
@@ -156,6 +157,12 @@ def offload_loaded(model, store: ExpertStore, modules: list[torch.nn.Module], *,
 
     compute = check_compute(compute)
     dev = resolve_device(device)
+    if expert_format == "int8":
+        from moetray.engine.experts.int8 import Int8ExpertStore
+
+        store = Int8ExpertStore.from_store(store)
+    elif expert_format is not None:
+        raise ValueError(f"unknown expert format {expert_format!r}")
     qstar = resolve_qstar(fetch_fraction, device=dev,
                           expert_bytes=(_mean_link_bytes(store), store.slot_bytes))
     register()
@@ -170,7 +177,6 @@ def offload_loaded(model, store: ExpertStore, modules: list[torch.nn.Module], *,
     attach(modules, runtime)
     model.set_experts_implementation(IMPLEMENTATION_NAME)
     return OffloadedModel(model=model, runtime=runtime, store=store, device=dev, dtype=store.dtype)
-
 
 def _mean_link_bytes(store: ExpertStore) -> int:
     """Bytes one slot fill moves, averaged over the layers (a quantized file may mix types)."""

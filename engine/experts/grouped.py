@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from moetray.engine.experts.int8 import Int8Weight, int8_gemm
 from moetray.engine.experts.store import ExpertGeometry
 
 Operands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
@@ -104,8 +105,12 @@ def _gemm_many(out: torch.Tensor, src: torch.Tensor, items: list[Group]) -> None
 
 def _gemm_into(out: torch.Tensor, lo: int, hi: int, states: torch.Tensor, w: torch.Tensor,
                bias: torch.Tensor | None) -> None:
-    """``out[lo:hi] = states[lo:hi] @ w (+ bias)``: the stock grouped kernel's ``mm_out`` for one group."""
-    torch.mm(states[lo:hi], w, out=out[lo:hi])
+    """``out[lo:hi] = states[lo:hi] @ w (+ bias)``: the stock grouped kernel's ``mm_out`` for one group;
+    an :class:`~moetray.engine.experts.int8.Int8Weight` goes to the weight-only int8 kernel instead."""
+    if type(w) is Int8Weight:
+        out[lo:hi].copy_(int8_gemm(states[lo:hi], w))
+    else:
+        torch.mm(states[lo:hi], w, out=out[lo:hi])
     if bias is not None:
         out[lo:hi].add_(bias)
 

@@ -60,6 +60,7 @@ from moetray.engine.experts.hf import (
     padded_grouped_output,
     register_experts_function,
 )
+from moetray.engine.experts.int8 import Int8ExpertStore, Int8Weight, int8_gemm
 from moetray.engine.experts.slots import LinkThrottle, SlotPool, TorchSlotDevice
 from moetray.engine.experts.store import ExpertStore, unpack_row
 from moetray.policy.moe.expert_cache import DEFAULT_POLICY, ExpertCache
@@ -134,6 +135,10 @@ class ExpertRuntime:
                  link_gbps: float | None = None, window_steps: int = 64,
                  allocate: Callable[..., torch.Tensor] | None = None, compute: str | None = None):
         self.compute = check_compute(compute)
+        self._int8 = isinstance(store, Int8ExpertStore)
+        if self._int8 and self.compute != "grouped_mm":
+            raise UnknownComputeMode(f"int8 experts are computed by the grouped path only, "
+                                     f"not {self.compute!r}")
         self.store = store
         self.device = torch.device(device)
         self.top_k = int(top_k)
@@ -149,7 +154,7 @@ class ExpertRuntime:
         self.throttle = LinkThrottle(link_gbps) if link_gbps else None
         self._allocate = allocate
         self.cache = ExpertCache(self.num_layers, self.num_experts, capacity, policy=self.policy)
-        self.pool = SlotPool(capacity, store.row_numel, store.dtype, self.device,
+        self.pool = SlotPool(capacity, store.row_numel, store.slot_dtype, self.device,
                              throttle=self.throttle, allocate=allocate)
         self.slot_device = TorchSlotDevice(self.pool, store.row_bytes)
         self.slots = ExpertSlots(self.slot_device, store)
@@ -279,11 +284,11 @@ class ExpertRuntime:
     def _host_expert(self, module: ExpertsModule, ops: Operands, states: torch.Tensor) -> torch.Tensor:
         """One expert of the CPU share on a CUDA device: computed by the CPU from the host store."""
         w, bias, w_down, bias_down = ops
-        proj = states @ w
+        proj = int8_gemm(states, w) if type(w) is Int8Weight else states @ w
         if bias is not None:
             proj = proj + bias
         proj = module._apply_gate(proj) if self.geometry.has_gate else module.act_fn(proj)
-        out = proj @ w_down
+        out = int8_gemm(proj, w_down) if type(w_down) is Int8Weight else proj @ w_down
         return out + bias_down if bias_down is not None else out
 
     def _forget_plan(self, plan, exc: SlotDeviceError) -> None:
@@ -297,13 +302,17 @@ class ExpertRuntime:
         """``(layer, expert)``'s GEMM operands straight from the host store (cached views)."""
         ops = self._bank_mats.get((layer, expert))
         if ops is None:
-            ops = operands(self.store.weights(layer, expert), self.geometry)
+            store = self.store
+            ops = (store.operands(store.row(layer, expert)) if isinstance(store, Int8ExpertStore)
+                   else operands(store.weights(layer, expert), self.geometry))
             if not self.store.quantized:  # a quantized store decodes per call and keeps no copy
                 self._bank_mats[(layer, expert)] = ops
         return ops
 
     def _gemm_operands(self) -> list[Operands]:
         """Per slot, the grouped path's GEMM operands: views of the pool's rows (rebuilt with them)."""
+        if isinstance(self.store, Int8ExpertStore):
+            return [self.store.operands(self.pool.rows[slot]) for slot in range(self.pool.capacity)]
         return [operands(views, self.geometry) for views in self._slot_views]
 
     def _forward_eager(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
@@ -372,7 +381,10 @@ class ExpertRuntime:
         return index
 
     def _unpack_slots(self) -> list[dict[str, torch.Tensor]]:
-        """Per-slot views of the pool's rows as the module's tensors (rebuilt when rows change)."""
+        """Per-slot views of the pool's rows as the module's tensors (rebuilt when rows change); none
+        for int8 rows, which only the grouped path reads (through :meth:`_gemm_operands`)."""
+        if self._int8:
+            return []
         return [unpack_row(self.pool.rows[slot], self.geometry) for slot in range(self.pool.capacity)]
 
     def _plan(self, layer: int, routed: list[int]):

@@ -286,6 +286,11 @@ class ExpertStore:
         return self.row_numel * self.dtype.itemsize
 
     @property
+    def slot_dtype(self) -> torch.dtype:
+        """The slot pool's element type (the packed row's: ``dtype``, unless a subclass packs bytes)."""
+        return self.dtype
+
+    @property
     def slot_bytes(self) -> int:
         """Device bytes one slot holds: one expert's packed full-precision row."""
         return self.row_numel * self.dtype.itemsize

@@ -187,17 +187,16 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-def resolve_dtype(spec: str, info: CheckpointInfo, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on the CPU (fast kernels, token identity), else the checkpoint's dtype."""
-    if spec != "auto":
-        return getattr(torch, spec)
-    if device.type == "cpu":
-        return torch.float32
+def serving_format(spec: str, info: CheckpointInfo, device: torch.device):
+    """The format ``--dtype spec`` serves this checkpoint in on ``device``
+    (:func:`moetray.engine.models.precision.resolve_format`; ``auto``: the checkpoint's 16-bit
+    dtype where the device computes it, else float32 on the CPU). A GGUF file names no dtype of
+    its own (its experts decode per fill): float32 on the CPU, bfloat16 on a GPU."""
+    from moetray.engine.models.precision import resolve_format
+
     if info.format == "gguf":
-        return torch.bfloat16  # the experts decode per fill; bf16 is the device's fast type
-    cfg = json.loads((info.path / "config.json").read_text())
-    named = cfg.get("dtype") or cfg.get("torch_dtype")
-    return getattr(torch, named) if isinstance(named, str) and hasattr(torch, named) else torch.bfloat16
+        return resolve_format(spec, None, device)
+    return resolve_format(spec, info.path, device)
 
 
 @dataclass
@@ -207,8 +206,9 @@ class LoadedModel:
     tokenizer: Any
     info: CheckpointInfo
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # activations and KV cache (and the weights unless ``format`` quantizes them)
     top_k: int
+    format: Any = None  # moetray.policy.precision.ServingFormat
 
 
 def apply_top_k(model, runtime, top_k: int) -> None:
@@ -253,20 +253,24 @@ def load_checkpoint(
     info: CheckpointInfo,
     *,
     device: torch.device,
-    dtype: torch.dtype,
+    fmt,
     capacity: int,
     top_k: int,
     progress: Progress,
     link_gbps: float | None = None,
     policy: str | None = None,
 ) -> LoadedModel:
-    """Loads the model with its experts offloaded (``capacity`` device slots) and applies ``top_k``.
+    """Loads the model with its experts offloaded (``capacity`` device slots) in the serving format
+    ``fmt`` (:func:`serving_format`) and applies ``top_k``.
 
     Refuses ``unsupported_attention`` (:func:`refuse_unpageable_attention`) before reading
     anything but the config; the experts loader's refusals pass through."""
     from moetray.engine.experts import load_offloaded_model, offload_loaded
+    from moetray.engine.models.precision import apply_format, torch_dtype
 
     refuse_unpageable_attention(info.config)
+    dtype = torch_dtype(fmt.compute)
+    experts = "int8" if fmt.weights == "int8" else None  # else the experts stay in ``dtype``
     progress("loading tokenizer", 0, None)
     if info.format == "gguf":
         from moetray.engine.models.gguf import load_gguf, load_gguf_tokenizer
@@ -274,7 +278,7 @@ def load_checkpoint(
         tokenizer = load_gguf_tokenizer(info.gguf)
         model, store, modules = load_gguf(info.gguf, device=device, dtype=dtype, progress=progress)
         offloaded = offload_loaded(model, store, modules, device=device, capacity=capacity, policy=policy,
-                                   link_gbps=link_gbps)
+                                   link_gbps=link_gbps, expert_format=experts)
     else:
         tokenizer = load_tokenizer(info.path)
         offloaded = load_offloaded_model(
@@ -285,8 +289,10 @@ def load_checkpoint(
             policy=policy,
             link_gbps=link_gbps,
             progress=progress,
+            expert_format=experts,
         )
     model = offloaded.model.eval()
+    apply_format(fmt, model, device)
     if top_k != info.top_k:
         apply_top_k(model, offloaded.runtime, top_k)
     if model.generation_config is not None and tokenizer.eos_token_id is not None:
@@ -300,6 +306,7 @@ def load_checkpoint(
         device=device,
         dtype=dtype,
         top_k=top_k,
+        format=fmt,
     )
 
 

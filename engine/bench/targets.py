@@ -1,0 +1,199 @@
+"""What `moetray bench decode` measures: in-process engines behind real HTTP servers, llama.cpp's
+server as a child process, and the load generator that drives both (its own process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench decode] {msg}", file=sys.stderr, flush=True)
+
+
+# --- one served engine --------------------------------------------------------------------------
+
+
+class ServedEngine:
+    """An engine for one weight format behind a real HTTP server on loopback, in this process.
+
+    Built as ``moetray serve`` builds it (``Engine`` + the FastAPI app under uvicorn), the
+    server on its own thread so the bench can read the engine's insides while it serves.
+    """
+
+    def __init__(self, model_dir: Path | None, fmt: str, *, kv_tokens: int, max_requests: int) -> None:
+        from moetray.engine.api.security import Credentials, HostPolicy
+        from moetray.engine.core import Engine, EngineOptions
+        from moetray.engine.serve import bind_socket, make_server
+
+        self.format = fmt
+        opts = EngineOptions(model_dir=model_dir, dtype=fmt, kv_tokens=kv_tokens, budget_bytes=4 << 30,
+                             max_requests_per_batch=max_requests)
+        self.engine = Engine(opts)
+        self.engine.options.moe_capacity = None
+        server = make_server(self.engine, Credentials(admin_token="bench", api_key=None, token_file=None),
+                             HostPolicy(frozenset()), log_level="warning")
+        self.server = server
+        sock = bind_socket("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.loop_thread: int | None = None
+
+        def serve() -> None:
+            self.loop_thread = threading.get_native_id()
+            server.run(sockets=[sock])
+
+        self.thread = threading.Thread(target=serve, name=f"bench-http-{fmt}", daemon=True)
+        self.thread.start()
+        self.breakdown = None
+
+    def wait_serving(self, timeout: float = 900.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(f"{self.url}/health", timeout=5.0).json()
+            except httpx.HTTPError:
+                health = {}
+            if health.get("state") == "serving":
+                break
+            if health.get("state") == "failed":
+                raise RuntimeError(f"{self.format} engine failed to load: {health.get('error')}")
+            time.sleep(0.2)
+        else:
+            raise TimeoutError(f"{self.format} engine not serving after {timeout:.0f}s")
+        runtime = self.engine.served.loaded.runtime
+        every = runtime.num_layers * runtime.num_experts
+        if runtime.capacity < every:
+            with self.engine.pools.runner.paused():
+                runtime.resize(every)
+
+    def model_id(self) -> str:
+        return self.engine.model_id()
+
+    def install_breakdown(self):
+        from moetray.engine.bench.breakdown import StepBreakdown
+
+        processor = self.engine.pools.runner.manager.batch_processor
+        loaded = self.engine.served.loaded
+        self.breakdown = StepBreakdown(loaded.model, loaded.runtime, processor).install()
+        return self.breakdown
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.engine.shutdown()
+
+
+class LlamaServer:
+    """llama.cpp's OpenAI-compatible server (llama-cpp-python's ``llama_cpp.server``) on one GGUF
+    file, as a child process in its own session: the engine a user would otherwise run. It
+    decodes one sequence at a time, so concurrent requests queue behind one another."""
+
+    def __init__(self, label: str, gguf: Path, *, threads: int, ctx: int = 4096) -> None:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.label, self.url, self.model = label, f"http://127.0.0.1:{port}", label
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", label,
+               "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
+               "--host", "127.0.0.1", "--port", str(port), "--verbose", "False",
+               "--interrupt_requests", "False"]  # queue concurrent requests (its default drops the older)
+        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"moetray-bench-llama-{port}.log"
+        self._fh = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+
+    def as_target(self, eos_ids: tuple[int, ...]) -> dict[str, Any]:
+        """The round's target: llama.cpp's server has no ``ignore_eos``; a -100 bias on the end
+        tokens keeps its replies at ``max_tokens`` as moetray's are."""
+        return {"label": self.label, "url": self.url, "model": self.model, "server": self,
+                "extra": {"ignore_eos": None, "logit_bias": {str(t): -100.0 for t in eos_ids}}}
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama.cpp server exited ({self.proc.returncode}); see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"llama.cpp server not ready after {timeout:.0f}s; see {self.log}")
+
+    def rss_bytes(self) -> int | None:
+        import psutil
+
+        try:
+            return psutil.Process(self.proc.pid).memory_info().rss
+        except psutil.Error:
+            return None
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._fh.close()
+
+
+def run_client(url: str, model: str, *, concurrency: int, max_tokens: int, tag: str,
+               extra: dict[str, Any] | None = None, warm_up: bool = True) -> dict[str, Any]:
+    """One round of :mod:`moetray.engine.bench.loadgen` in its own process; its JSON result."""
+    cmd = [sys.executable, "-m", "moetray.engine.bench.loadgen", "--url", url, "--model", model,
+           "--concurrency", str(concurrency), "--requests", str(concurrency), "--max-tokens", str(max_tokens),
+           "--tag", tag, "--extra-json", json.dumps(extra or {})] + ([] if warm_up else ["--no-warm-up"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"load generator failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llama_file(spec: str) -> tuple[str, Path]:
+    label, _, path = spec.partition("=")
+    return (label, Path(path)) if path else (f"llama.cpp {Path(label).stem}", Path(label))
+
+
+def demo_llama_files(model_dir: Path) -> list[tuple[str, Path]]:
+    """The demo exported as F16 and Q8_0 GGUF (cached), for llama.cpp; none (with a message) where
+    llama-cpp-python's server or the exporter is missing."""
+    try:
+        import llama_cpp.server.app  # noqa: F401
+
+        from moetray.engine.models.gguf_export import export_gguf
+    except ImportError as exc:
+        _progress(f"no llama.cpp peer: {exc} (pip install 'llama-cpp-python[server]')")
+        return []
+    import platformdirs
+
+    out = platformdirs.user_cache_path("moetray") / "bench" / "demo-gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for qtype in ("F16", "Q8_0"):
+        dest = out / f"demo-{qtype}.gguf"
+        if not dest.exists():
+            _progress(f"exporting the demo as {qtype} GGUF")
+            tmp = dest.with_suffix(".partial.gguf")
+            export_gguf(model_dir, tmp, qtype, output_weight=True, gate_floor=1e-30)
+            tmp.rename(dest)
+        files.append((f"llama.cpp {qtype}", dest))
+    return files

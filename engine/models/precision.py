@@ -1,0 +1,172 @@
+"""The serving format in practice: this machine's 16-bit arithmetic, the model's dtype, int8 weights.
+
+:func:`resolve_format` asks :func:`moetray.policy.precision.choose_format` which format to
+serve (``--dtype``; ``auto`` by default) from the checkpoint's dtype and the CPU features read
+here (:func:`cpu_features`). :func:`apply_format` then adapts the loaded model:
+
+- ``int8``: every dense ``nn.Linear`` (attention, shared experts, the LM head) becomes an
+  :class:`Int8Linear`: int8 weights with one bfloat16 scale per output channel, computed by
+  torch's weight-only int8 kernel (``aten._weight_int8pack_mm``) on bfloat16 activations,
+  so a decode step reads one byte per dense weight instead of two (the routed experts are
+  made int8 the same way as the store is built: :mod:`moetray.engine.experts.int8`);
+- bfloat16 on a CPU: a step whose every matrix product has one row (a decode step of one
+  request) runs with oneDNN off, so bfloat16 products take torch's own matrix-vector kernel
+  (about 2× faster than oneDNN's at one row on an AVX512-BF16 CPU: 30 µs against 56 µs for a
+  576×576 weight, 8 against 22 µs for a 128×576 one); every other step keeps oneDNN, which is
+  10-100× faster from four rows up. The choice is per step, from the step's shape, so the
+  same batch always takes the same kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moetray.policy.precision import ServingFormat, choose_format
+
+log = logging.getLogger("moetray.engine.models.precision")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_features() -> frozenset[str]:
+    """This CPU's feature flags as ``/proc/cpuinfo`` spells them (x86 ``flags``, Arm
+    ``Features``); empty where they cannot be read (then ``auto`` serves float32 on the CPU)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def checkpoint_dtype(path: Path) -> str | None:
+    """The dtype the checkpoint's ``config.json`` names (``dtype`` or ``torch_dtype``), or None."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    named = cfg.get("dtype") or cfg.get("torch_dtype")
+    return named if isinstance(named, str) else None
+
+
+def resolve_format(spec: str, checkpoint: Path | None, device: torch.device,
+                   named_dtype: str | None = None) -> ServingFormat:
+    """The format to serve ``checkpoint`` in on ``device`` (``spec`` is ``--dtype``); refuses an
+    unusable spec with :class:`moetray.policy.precision.FormatRefused`. ``named_dtype`` stands in
+    for the config's dtype where the checkpoint is not a config folder (a GGUF file)."""
+    named = named_dtype if named_dtype is not None else (checkpoint_dtype(checkpoint) if checkpoint else None)
+    chosen = choose_format(spec, device_kind=device.type, checkpoint_dtype=named,
+                           cpu_features=cpu_features() if device.type == "cpu" else frozenset())
+    log.info("serving format: %s weights, %s compute (%s; %s)", chosen.weights, chosen.compute,
+             chosen.reason, platform.machine())
+    return chosen
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` → ``torch.bfloat16`` (the compute dtypes :class:`ServingFormat` names)."""
+    return _DTYPES[name]
+
+
+def apply_format(fmt: ServingFormat, model: nn.Module, device: torch.device) -> None:
+    """Adapt the loaded ``model`` to ``fmt`` (see the module docstring); mutates the model."""
+    if fmt.weights == "int8":
+        quantize_linears(model)
+    if device.type == "cpu" and fmt.compute == "bfloat16":
+        route_single_row_steps(model)
+
+
+# --- int8 weights --------------------------------------------------------------------------------
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with int8 weights and one scale per output channel (symmetric, round to
+    nearest): ``y = x @ (qweight · qscale)ᵀ + bias``, computed by ``aten._weight_int8pack_mm``.
+
+    The activations must be bfloat16 (the kernel's fast path, and the dtype the scales are
+    kept in); other dtypes are cast to it and back.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        # The scale is kept in bfloat16 (the kernel's dtype): round against the stored scale.
+        scale = (weight.abs().amax(dim=1).clamp_min(1e-30) / 127.0).to(torch.bfloat16)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q = torch.round(weight / scale.float()[:, None]).clamp_(-127, 127)
+        self.register_buffer("qweight", q.to(torch.int8))
+        self.register_buffer("qscale", scale)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
+                                                                  requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        if flat.dtype != torch.bfloat16 or not flat.is_contiguous():
+            flat = flat.to(torch.bfloat16).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.qscale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of ``model`` with an :class:`Int8Linear`; returns how many.
+    Tied output embeddings get their own int8 copy (the embedding table stays as it is)."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, Int8Linear(child))
+                count += 1
+    if count:
+        # The LM head no longer shares the embedding's parameter: stop transformers re-tying them.
+        config: Any = model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for cfg in {id(config): config, id(text): text}.values():
+            if getattr(cfg, "tie_word_embeddings", False):
+                cfg.tie_word_embeddings = False
+    log.info("int8 weights: %d linear layers quantized per output channel", count)
+    return count
+
+
+# --- bfloat16 on the CPU -------------------------------------------------------------------------
+
+
+def route_single_row_steps(model: nn.Module) -> None:
+    """Run one-row forwards (a decode step of one request) with oneDNN off, so bfloat16 matrix
+    products take torch's own matrix-vector kernel; other forwards are untouched. Idempotent.
+
+    ``torch.backends.mkldnn`` is process-wide: while a one-row step runs, a bfloat16 product
+    on another thread also skips oneDNN (slower, never wrong); float32 products never use it.
+    """
+    if getattr(model, "_moetray_single_row_routing", False):
+        return
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def routed(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None or ids.numel() != 1 or not torch.backends.mkldnn.enabled:
+            return forward(*args, **kwargs)
+        torch.backends.mkldnn.enabled = False
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            torch.backends.mkldnn.enabled = True
+
+    model.forward = routed
+    setattr(model, "_moetray_single_row_routing", True)  # noqa: B010 - a flag nn.Module does not declare

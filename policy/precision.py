@@ -1,0 +1,94 @@
+"""Which number format the engine serves a checkpoint in: the weights, the activations, the KV cache.
+
+Decode of a small batch reads every weight once per step, so its speed is bytes per weight:
+float32 reads 4, bfloat16 and float16 2, weight-only int8 about 1. ``--dtype auto`` (the
+default) picks, without ever rounding the checkpoint's own weights:
+
+- on CUDA, the checkpoint's dtype (bfloat16 when it names none);
+- on a CPU, the checkpoint's 16-bit dtype when this CPU computes it natively (bfloat16:
+  AVX512-BF16 or AMX-BF16 on x86, the BF16 extension on Arm; float16: AVX512-FP16 or
+  AMX-FP16, or Arm's half-precision arithmetic), else float32: widening is exact, and a CPU
+  without the instructions emulates 16-bit arithmetic slower than float32 (float16 matrix
+  products of more than one row on an AVX512-BF16 CPU run 10-100× slower than bfloat16's);
+- float32 for a float32 checkpoint (the token-identity reference every exact path meets).
+
+An explicit ``--dtype`` is served as asked: ``float32``, ``bfloat16``, ``float16``, or
+``int8`` (every weight but the embedding table rounded to int8 per output channel, experts
+included, computed by torch's weight-only int8 kernel on bfloat16 activations: lossy, never
+chosen by ``auto``, CPU only; from a GGUF file, only Q8_0 experts are re-rounded to it). Pure:
+CPU features are passed in.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from moetray.policy.refused import Refused
+
+FORMATS = ("auto", "float32", "bfloat16", "float16", "int8")
+"""What ``--dtype`` accepts."""
+
+BF16_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+"""CPU flags (``/proc/cpuinfo`` spelling) that compute bfloat16 in hardware."""
+FP16_FEATURES = frozenset({"avx512_fp16", "amx_fp16", "fphp", "asimdhp"})
+"""CPU flags that compute float16 in hardware (x86 AVX512-FP16/AMX-FP16, Arm half precision)."""
+
+
+class ServingFormat(NamedTuple):
+    """The decision: ``compute`` is the activations' and KV cache's dtype (and the weights',
+    unless ``weights`` says they are quantized); ``reason`` says why, for the status page."""
+
+    compute: str  # "float32" | "bfloat16" | "float16"
+    weights: str  # "float32" | "bfloat16" | "float16" | "int8"
+    reason: str
+
+
+class FormatRefused(Refused, ValueError):
+    """A ``--dtype`` that cannot be served: ``unknown_dtype`` (not one of :data:`FORMATS`) or
+    ``int8_needs_cpu`` (the weight-only int8 kernels the int8 format uses are the CPU's)."""
+
+    KINDS = ("unknown_dtype", "int8_needs_cpu")
+
+
+def native_16bit(cpu_features: frozenset[str]) -> tuple[str, ...]:
+    """The 16-bit float formats this CPU computes in hardware, bfloat16 first. Pure."""
+    out = []
+    if cpu_features & BF16_FEATURES:
+        out.append("bfloat16")
+    if cpu_features & FP16_FEATURES:
+        out.append("float16")
+    return tuple(out)
+
+
+def choose_format(requested: str, *, device_kind: str, checkpoint_dtype: str | None,
+                  cpu_features: frozenset[str]) -> ServingFormat:
+    """Decides the serving format (see the module docstring); pure, mutates nothing.
+
+    ``checkpoint_dtype`` is the config's ``dtype``/``torch_dtype`` (None when it names
+    none). Refuses with :class:`FormatRefused` (an unknown ``requested``; int8 off the CPU).
+    """
+    if requested not in FORMATS:
+        raise FormatRefused("unknown_dtype", f"unknown dtype {requested!r}; one of {', '.join(FORMATS)}")
+    if requested == "int8" and device_kind != "cpu":
+        raise FormatRefused("int8_needs_cpu", f"--dtype int8 runs on the CPU only, not {device_kind}")
+    if requested == "int8":
+        return ServingFormat("bfloat16", "int8", "--dtype int8: weight-only int8 on bfloat16 activations")
+    if requested != "auto":
+        return ServingFormat(requested, requested, f"--dtype {requested}")
+    if device_kind != "cpu":
+        chosen = checkpoint_dtype if checkpoint_dtype in ("float32", "bfloat16", "float16") else None
+        whose = "the checkpoint's " if chosen else ""
+        chosen = chosen or "bfloat16"
+        return ServingFormat(chosen, chosen, f"auto: {whose}{chosen} on {device_kind}")
+    sixteen = checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else None
+    if sixteen is None:
+        named = checkpoint_dtype or "unspecified"
+        return ServingFormat("float32", "float32", f"auto: the checkpoint is {named}; float32 on the CPU")
+    native = native_16bit(cpu_features)
+    if sixteen in native:
+        flags = sorted(cpu_features & (BF16_FEATURES if sixteen == "bfloat16" else FP16_FEATURES))
+        return ServingFormat(sixteen, sixteen, f"auto: the checkpoint's {sixteen}, computed natively by "
+                                               f"this CPU ({', '.join(flags)})")
+    return ServingFormat("float32", "float32",
+                         f"auto: the checkpoint is {sixteen} but this CPU has no {sixteen} arithmetic; "
+                         "float32 (exact widening)")

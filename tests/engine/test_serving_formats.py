@@ -1,0 +1,176 @@
+"""Serving formats on the model: int8 weights stay close to float32, bfloat16 one-row steps skip oneDNN,
+and the decode bench's step breakdown counts what a served step does."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moetray serve` sets it (before torch loads)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from moetray.engine.experts import load_offloaded_model  # noqa: E402
+from moetray.engine.models.precision import (  # noqa: E402
+    Int8Linear,
+    apply_format,
+    quantize_linears,
+    route_single_row_steps,
+)
+from moetray.policy.precision import ServingFormat  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def _load(path, dtype):
+    off = load_offloaded_model(path, dtype=dtype, capacity=2 * 8)
+    return off.model, off.runtime
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def test_int8_linear_is_the_dequantized_product():
+    """One scale per output channel, round to nearest: the kernel's result equals the product
+    with the dequantized weight up to bfloat16 rounding of the output."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True)
+    q = Int8Linear(linear)
+    assert q.qweight.dtype == torch.int8 and q.qscale.shape == (48,)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    dequant = q.qweight.float() * q.qscale.float()[:, None]
+    ref = x.float() @ dequant.T + q.bias.float()
+    got = q(x).float()
+    assert torch.allclose(got, ref, rtol=2e-2, atol=2e-2), float((got - ref).abs().max())
+    # Against the float weights, the rounding error is at most half a step per weight.
+    step = (linear.weight.detach() - dequant).abs() / q.qscale.float()[:, None]
+    assert float(step.max()) <= 0.5 + 1e-3
+
+
+def test_int8_model_stays_close_to_float32_and_reads_one_byte_per_dense_weight(tiny_moe):
+    """Every dense linear becomes int8 (the LM head too, untied from the embedding), and the
+    logits move by a bounded amount against the float32 model. Prevents: an int8 path that
+    quietly keeps bfloat16 weights, or one that computes garbage."""
+    path = tiny_moe("qwen3_moe", "per_expert")
+    ids = list(range(3, 40))
+    ref_model, _ = _load(path, torch.float32)
+    ref = _logits(ref_model, ids)
+    model, _ = _load(path, torch.bfloat16)
+    count = quantize_linears(model)
+    assert count > 0 and not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.get_output_embeddings(), Int8Linear)
+    assert model.config.get_text_config().tie_word_embeddings is False
+    got = _logits(model, ids)
+    spread = float(ref.std())
+    assert float((got - ref).abs().max()) < 0.25 * spread + 0.05
+    assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8
+
+
+class _MkldnnProbe:
+    """Records whether oneDNN was enabled each time a module ran."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.seen: list[bool] = []
+        module.register_forward_pre_hook(lambda *_: self.seen.append(torch.backends.mkldnn.enabled))
+
+
+def test_one_row_steps_run_with_onednn_off_and_others_untouched(tiny_moe):
+    """bfloat16 on the CPU: a forward of one token runs with oneDNN off (torch's own
+    matrix-vector kernel), a forward of several with it on, and the flag is restored after
+    either. Sabotage: without the routing, the one-row forward sees oneDNN on."""
+    path = tiny_moe("qwen3_moe", "per_expert")
+    model, _ = _load(path, torch.bfloat16)
+    route_single_row_steps(model)
+    route_single_row_steps(model)  # idempotent
+    probe = _MkldnnProbe(model.model.layers[0].self_attn.q_proj)
+    assert torch.backends.mkldnn.enabled
+    with torch.no_grad():
+        model(torch.tensor([[5]]))
+        model(torch.tensor([[5, 6, 7]]))
+        model(torch.tensor([[5], [6]]))  # two requests of one token each: two rows
+    assert probe.seen == [False, True, True]
+    assert torch.backends.mkldnn.enabled
+
+
+def test_apply_format_installs_what_the_format_asks(tiny_moe):
+    """The engine's one entry point: int8 quantizes, bfloat16 on the CPU routes one-row steps,
+    float32 changes nothing."""
+    path = tiny_moe("qwen3_moe", "per_expert")
+    cpu = torch.device("cpu")
+    fp32, _ = _load(path, torch.float32)
+    apply_format(ServingFormat("float32", "float32", "test"), fp32, cpu)
+    assert not getattr(fp32, "_moetray_single_row_routing", False)
+    assert any(type(m) is nn.Linear for m in fp32.modules())
+    i8, _ = _load(path, torch.bfloat16)
+    apply_format(ServingFormat("bfloat16", "int8", "test"), i8, cpu)
+    assert getattr(i8, "_moetray_single_row_routing", False)
+    assert not any(type(m) is nn.Linear for m in i8.modules())
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+def test_dense_bytes_per_step_counts_what_a_step_reads(tiny_moe, fmt):
+    """The decode bench's bytes per step: every non-expert weight once, the embedding table
+    only where it is the LM head, int8 weights at one byte."""
+    from moetray.engine.bench.decode import dense_bytes_per_step
+
+    path = tiny_moe("qwen3_moe", "per_expert")
+    model, _ = _load(path, torch.bfloat16)
+    embed = model.get_input_embeddings().weight
+    before = dense_bytes_per_step(model)
+    params = sum(p.numel() * 2 for p in model.parameters() if p is not embed)
+    assert before == params  # untied: the table is skipped
+    if fmt == "int8":
+        quantize_linears(model)
+        after = dense_bytes_per_step(model)
+        assert after < 0.6 * before
+
+
+@pytest.mark.parametrize(("family", "layout"), [("qwen3_moe", "per_expert"), ("gpt_oss", "fused")])
+@pytest.mark.parametrize("capacity", [16, 5])
+def test_int8_experts_stay_close_to_float32_at_any_capacity(tiny_moe, family, layout, capacity):
+    """Experts kept as int8 rows (one byte per weight in the store and the slots) and computed
+    by the weight-only int8 kernel: the logits stay within a bound of the float32 model's, with
+    every expert resident and with misses (5 slots of 16), for a plain SwiGLU family and a
+    biased, transposed one (gpt-oss). The slots hold what the store holds, byte for byte."""
+    from moetray.engine.experts.int8 import Int8ExpertStore
+
+    path = tiny_moe(family, layout)
+    ids = list(range(3, 30))
+    ref = _logits(_load(path, torch.float32)[0], ids)
+    off = load_offloaded_model(path, dtype=torch.bfloat16, capacity=capacity, expert_format="int8")
+    assert isinstance(off.store, Int8ExpertStore) and off.store.format == "INT8"
+    bf16 = load_offloaded_model(path, dtype=torch.bfloat16, capacity=capacity)
+    assert off.runtime.bytes_per_slot < 0.6 * bf16.runtime.bytes_per_slot
+    got = _logits(off.model, ids)
+    assert float((got - ref).abs().max()) < 0.25 * float(ref.std()) + 0.05
+    assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8
+    off.runtime.check_integrity(deep=True)
+
+
+def test_int8_experts_dequantize_to_their_rounding():
+    """A row's int8 values times its scales give back the weights within half a step."""
+    from moetray.engine.experts.int8 import Int8Layout
+    from moetray.engine.experts.store import ExpertGeometry, Segment
+
+    torch.manual_seed(0)
+    geo = ExpertGeometry((Segment("gate_up_proj", (16, 8), 0, 128), Segment("down_proj", (8, 8), 128, 64)),
+                         has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True)
+    layout = Int8Layout.from_geometry(geo)
+    weights = {"gate_up_proj": torch.randn(16, 8), "down_proj": torch.randn(8, 8)}
+    row = torch.empty(layout.row_bytes, dtype=torch.uint8)
+    layout.quantize(weights, geo, row)
+    first, _, down, _ = layout.operands(row)
+    for w, name in ((first, "gate_up_proj"), (down, "down_proj")):
+        back = w.qweight.float() * w.scale.float()[:, None]
+        assert float(((back - weights[name]).abs() / w.scale.float()[:, None]).max()) <= 0.5 + 1e-3
+
+
+def test_int8_experts_refuse_the_eager_compute_mode(tiny_moe):
+    from moetray.engine.experts import UnknownComputeMode
+
+    with pytest.raises(UnknownComputeMode):
+        load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=16,
+                             expert_format="int8", compute="eager")

@@ -1,0 +1,91 @@
+"""Rules of the serving-format choice: auto never rounds the checkpoint's weights, asks are obeyed."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moetray.policy.precision import (
+    BF16_FEATURES,
+    FORMATS,
+    FP16_FEATURES,
+    FormatRefused,
+    choose_format,
+    native_16bit,
+)
+
+pytestmark = pytest.mark.unit
+
+ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "f16c", "fma"})
+OLD_X86 = frozenset({"avx2", "f16c", "fma"})
+SAPPHIRE = frozenset({"avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"})
+
+
+def test_bfloat16_checkpoint_on_a_bf16_cpu_serves_bfloat16_and_says_why():
+    got = choose_format("auto", device_kind="cpu", checkpoint_dtype="bfloat16", cpu_features=ZEN4)
+    assert (got.compute, got.weights) == ("bfloat16", "bfloat16")
+    assert "avx512_bf16" in got.reason
+
+
+def test_bfloat16_checkpoint_without_bf16_arithmetic_widens_to_float32():
+    got = choose_format("auto", device_kind="cpu", checkpoint_dtype="bfloat16", cpu_features=OLD_X86)
+    assert got.compute == "float32"
+    assert "no bfloat16 arithmetic" in got.reason
+
+
+def test_float16_checkpoint_needs_float16_arithmetic_not_conversion():
+    # F16C converts but does not compute: float16 products of several rows are emulated (slow).
+    assert choose_format("auto", device_kind="cpu", checkpoint_dtype="float16",
+                         cpu_features=ZEN4).compute == "float32"
+    assert choose_format("auto", device_kind="cpu", checkpoint_dtype="float16",
+                         cpu_features=SAPPHIRE).compute == "float16"
+
+
+@given(st.sampled_from([None, "float32", "int8", "weird"]),
+       st.frozensets(st.sampled_from(sorted(BF16_FEATURES | FP16_FEATURES | OLD_X86))))
+def test_auto_on_cpu_serves_float32_unless_the_checkpoint_is_16_bit(named, features):
+    got = choose_format("auto", device_kind="cpu", checkpoint_dtype=named, cpu_features=features)
+    assert (got.compute, got.weights) == ("float32", "float32")
+
+
+@given(st.sampled_from(["float32", "bfloat16", "float16"]),
+       st.frozensets(st.sampled_from(sorted(BF16_FEATURES | FP16_FEATURES | OLD_X86))))
+def test_auto_never_rounds_the_checkpoints_weights(named, features):
+    got = choose_format("auto", device_kind="cpu", checkpoint_dtype=named, cpu_features=features)
+    widths = {"float16": 16, "bfloat16": 16, "float32": 32}
+    assert got.weights == got.compute
+    assert got.compute in (named, "float32") and widths[got.compute] >= widths[named]
+
+
+def test_cuda_keeps_the_checkpoints_dtype_or_bfloat16():
+    assert choose_format("auto", device_kind="cuda", checkpoint_dtype="float16",
+                         cpu_features=frozenset()).compute == "float16"
+    assert choose_format("auto", device_kind="cuda", checkpoint_dtype=None,
+                         cpu_features=frozenset()).compute == "bfloat16"
+
+
+@pytest.mark.parametrize("asked", [f for f in FORMATS if f != "auto"])
+def test_an_explicit_dtype_is_served_as_asked(asked):
+    got = choose_format(asked, device_kind="cpu", checkpoint_dtype="bfloat16", cpu_features=OLD_X86)
+    assert got.weights == asked
+    assert got.reason.startswith(f"--dtype {asked}")
+
+
+def test_int8_is_weight_only_on_bfloat16_activations():
+    got = choose_format("int8", device_kind="cpu", checkpoint_dtype="float32", cpu_features=ZEN4)
+    assert (got.compute, got.weights) == ("bfloat16", "int8")
+
+
+def test_unknown_dtype_is_refused_by_name():
+    with pytest.raises(FormatRefused) as exc:
+        choose_format("fp8", device_kind="cpu", checkpoint_dtype=None, cpu_features=ZEN4)
+    assert exc.value.kind == "unknown_dtype"
+    with pytest.raises(FormatRefused) as exc:
+        choose_format("int8", device_kind="cuda", checkpoint_dtype=None, cpu_features=frozenset())
+    assert exc.value.kind == "int8_needs_cpu"
+
+
+def test_native_16bit_lists_bfloat16_first():
+    assert native_16bit(SAPPHIRE) == ("bfloat16", "float16")
+    assert native_16bit(OLD_X86) == ()
