@@ -37,11 +37,15 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from moetray.engine.bench.loadgen import sse_chunks
+from moetray.engine.bench.random_model import CORPUS, ensure_random_model
 
 ADMIN_TOKEN = "bench-admin-token"
 GIB = 1 << 30
@@ -57,58 +61,20 @@ def bench_model_dir() -> Path:
     return platformdirs.user_cache_path("moetray") / "bench" / "serve-qwen3moe-4k"
 
 
-_CORPUS = (
-    "Mixture of experts models route every token to a few experts chosen by a learned router. "
-    "A serving engine keeps the hottest experts on the device and streams the rest over the link. "
-    "The key value cache stores attention state in pages so that many requests share one pool. "
-    "Prefix caching lets a follow-up turn skip the part of the prompt it has already computed. "
-    "The quick brown fox jumps over the lazy dog while the tray shows tokens per second. "
-)
-
-
 def ensure_bench_model(path: Path | None = None) -> Path:
     """A random Qwen3-MoE (4 layers, 16 experts, top-2, 4096 context) with a byte-level BPE and ChatML."""
-    path = path or bench_model_dir()
-    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
-        return path
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
-    from moetray.engine.bench.tokenizer import chatml_bpe_tokenizer
-
-    fast = chatml_bpe_tokenizer([_CORPUS] * 20, vocab_size=1024)
-    config = Qwen3MoeConfig(
-        vocab_size=len(fast),
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # head_dim: hidden_size / num_attention_heads = 64
-        moe_intermediate_size=256,
-        intermediate_size=512,
-        num_experts=16,
-        num_experts_per_tok=2,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        norm_topk_prob=True,
+    return ensure_random_model(
+        path or bench_model_dir(), Qwen3MoeConfig, intermediate_size=512, norm_topk_prob=True
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 0
-    tmp = path.with_name(path.name + ".partial")
-    model.save_pretrained(tmp)
-    fast.save_pretrained(tmp)
-    tmp.rename(path)
-    return path
 
 
 # --- child servers ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a child server to bind)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -140,13 +106,22 @@ class Child:
         raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_process_group(self.proc)
         self._fh.close()
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """End a child started in its own session: SIGTERM to its group, SIGKILL if it outlives 30 s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass  # the group ended between the poll and the signal
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -172,7 +147,7 @@ def start_moetray(
     page: int,
     batch_tokens: int,
 ) -> Child:
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -211,10 +186,24 @@ def start_moetray(
     return child
 
 
+def start_small_moetray(args: Any, name: str) -> tuple[Child, Path, Path]:
+    """The robustness benches' engine (``soak``, ``fuzz``): ``--model`` or the bench model on a
+    small pool (``--kv-tokens``, a 256 MiB expert budget, 16-token pages, 64-token batches),
+    logging into ``--logdir`` or a new temporary folder; the child, its model and its log folder."""
+    model = args.model or ensure_bench_model()
+    logdir = args.logdir or Path(tempfile.mkdtemp(prefix=f"moetray-{name}-"))
+    logdir.mkdir(parents=True, exist_ok=True)  # a --logdir given may not exist yet
+    child = start_moetray(
+        model, kv_tokens=args.kv_tokens, budget=256 << 20, threads=args.threads, prefix="radix",
+        logdir=logdir, page=16, batch_tokens=64,
+    )  # fmt: skip
+    return child, model, logdir
+
+
 def start_transformers(
     model: Path, *, kv_pages: int, threads: int, logdir: Path, page: int, batch_tokens: int
 ) -> Child:
-    port = _free_port()
+    port = free_port()
     exe = Path(sys.executable).with_name("transformers")
     cmd = [
         str(exe),
@@ -306,10 +295,7 @@ async def ttft(
         t0 = time.perf_counter()
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(r):
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices") or []:
@@ -323,7 +309,7 @@ async def ttft(
 
 def _long_history(tag: str, n_tokens: int, tokenizer) -> str:
     words, text = [], ""
-    sentences = _CORPUS.split(". ")
+    sentences = CORPUS.split(". ")
     i = 0
     while len(tokenizer.encode(text)) < n_tokens:
         words.append(f"[{tag}:{i}] {sentences[i % len(sentences)]}.")

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,8 +35,8 @@ from typing import Any
 
 import httpx
 
+from moetray.engine.bench.random_model import ensure_random_model
 from moetray.engine.bench.serve import (
-    _CORPUS,
     ADMIN_TOKEN,
     GIB,
     Child,
@@ -46,6 +44,7 @@ from moetray.engine.bench.serve import (
     _env,
     cold_vs_followup,
     start_moetray,
+    stop_process_group,
     throughput,
 )
 
@@ -58,47 +57,20 @@ def hybrid_bench_model_dir() -> Path:
 
 def ensure_hybrid_bench_model(path: Path | None = None) -> Path:
     """A random Qwen3.5-MoE text model (4 layers: 3 Gated DeltaNet + 1 attention) with a ChatML BPE."""
-    path = path or hybrid_bench_model_dir()
-    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
-        return path
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
+    from transformers import Qwen3_5MoeTextConfig
 
-    from moetray.engine.bench.tokenizer import chatml_bpe_tokenizer
-
-    fast = chatml_bpe_tokenizer([_CORPUS] * 20, vocab_size=1024)
-    config = Qwen3_5MoeTextConfig(
-        vocab_size=len(fast),
-        hidden_size=256,
-        num_hidden_layers=4,
+    return ensure_random_model(
+        path or hybrid_bench_model_dir(),
+        Qwen3_5MoeTextConfig,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
         linear_conv_kernel_dim=4,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        moe_intermediate_size=256,
         shared_expert_intermediate_size=256,
-        num_experts=16,
-        num_experts_per_tok=2,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 0
-    tmp = path.with_name(path.name + ".partial")
-    model.save_pretrained(tmp)
-    fast.save_pretrained(tmp)
-    tmp.rename(path)
-    return path
 
 
 class GenerateBaseline:
@@ -172,12 +144,7 @@ class GenerateChild:
         return json.loads(line)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_process_group(self.proc)
         self._log.close()
 
 
