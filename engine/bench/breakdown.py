@@ -158,7 +158,7 @@ class StepBreakdown:
         def book(step: _Step, seconds: float, kwargs: dict[str, Any]) -> None:
             step.forward += seconds
             ids = kwargs.get("input_ids")
-            keep = kwargs.get("logits_indices", kwargs.get("logits_to_keep"))
+            keep: Any = kwargs.get("logits_indices", kwargs.get("logits_to_keep"))
             step.query_tokens = int(ids.shape[-1]) if ids is not None else 0
             step.logits = int(keep.numel()) if hasattr(keep, "numel") else 0
         return self._timed(fn, book)

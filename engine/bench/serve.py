@@ -473,8 +473,6 @@ def main(argv: list[str]) -> int:
         return run(args)
     from transformers import AutoTokenizer
 
-    from moetray.engine.bench.results import write_receipt
-
     print("preparing the benchmark model…", flush=True)
     model_dir = ensure_bench_model() if args.model is None else args.model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -672,16 +670,25 @@ def main(argv: list[str]) -> int:
         "round trip. KV re-splits re-create the paged cache (stop loop, free, allocate zeroed pool, start)."
     )
     results["goals"] = goals
+    return report(
+        "serve", args, model_dir, baseline="transformers serve", results=results, rows=rows,
+        title="Serving: moetray vs transformers serve (HTTP, CPU)", notes=notes,
+    )  # fmt: skip
+
+
+def report(
+    name: str, args: Any, model_dir: Path, *, baseline: str, results: dict[str, Any], rows: list[list[Any]],
+    title: str, notes: list[str],
+) -> int:  # fmt: skip
+    """Write a serving bench's receipt (its parsed ``args`` as the params, ``model_dir`` as the
+    model; columns moetray (A) against ``baseline`` (B)) and print its rows; the exit status."""
+    from moetray.engine.bench.results import write_receipt
+
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     params["model"] = str(model_dir)
+    columns = ["measure", "moetray (A)", f"{baseline} / other (B)", "A/B"]
     path = write_receipt(
-        "serve",
-        params=params,
-        results=results,
-        columns=["measure", "moetray (A)", "transformers serve / other (B)", "A/B"],
-        rows=rows,
-        title="Serving: moetray vs transformers serve (HTTP, CPU)",
-        notes=notes,
+        name, params=params, results=results, columns=columns, rows=rows, title=title, notes=notes
     )
     print(f"receipt: {path}")
     for row in rows:

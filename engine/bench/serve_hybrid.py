@@ -43,6 +43,7 @@ from moetray.engine.bench.serve import (
     _cpu_seconds,
     _env,
     cold_vs_followup,
+    report,
     start_moetray,
     stop_process_group,
     throughput,
@@ -181,8 +182,6 @@ def run(args: Any) -> int:
     """The hybrid serving benchmark with ``moetray bench serve``'s parsed arguments."""
     from transformers import AutoTokenizer
 
-    from moetray.engine.bench.results import write_receipt
-
     print("preparing the hybrid benchmark model…", flush=True)
     model_dir = ensure_hybrid_bench_model() if args.model is None else args.model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -278,22 +277,11 @@ def run(args: Any) -> int:
         "Random weights: the work per token is real.",
     ]
     results["goals"] = goals
-    params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    params["model"] = str(model_dir)
-    path = write_receipt(
-        "serve-hybrid",
-        params=params,
-        results=results,
-        columns=["measure", "moetray (A)", "transformers generate / other (B)", "A/B"],
-        rows=rows,
+    return report(
+        "serve-hybrid", args, model_dir, baseline="transformers generate", results=results, rows=rows,
         title="Serving a hybrid model (Gated DeltaNet + attention): snapshots and throughput (CPU)",
         notes=notes,
     )
-    print(f"receipt: {path}")
-    for row in rows:
-        print(" | ".join("—" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v)) for v in row))
-    return 0
-
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--generate-worker"]:
