@@ -278,6 +278,18 @@ async def throughput(
     return {"tok_s": sum(tokens) / wall, "tokens": sum(tokens), "wall_s": wall, "requests": requests}
 
 
+async def metered_throughput(child: Child, model: str, **round_: Any) -> dict[str, Any]:
+    """One :func:`throughput` round on ``child``, plus ``server_cpu_ms_per_token``: the server's
+    user + system CPU seconds over the round (all its threads) per completion token."""
+    import psutil
+
+    server = psutil.Process(child.proc.pid)
+    cpu0 = sum(server.cpu_times()[:2])
+    res = await throughput(child.url, model, **round_)
+    res["server_cpu_ms_per_token"] = (sum(server.cpu_times()[:2]) - cpu0) / max(1, res["tokens"]) * 1e3
+    return res
+
+
 async def ttft(
     url: str, model: str, messages, max_tokens: int = 8
 ) -> tuple[float, dict[str, Any] | None, str]:
@@ -423,14 +435,6 @@ def http_round_trip_ms(url: str, n: int = 20) -> float:
     return statistics.median(times)
 
 
-def _cpu_seconds(child: Child) -> float:
-    """The child server's user + system CPU seconds so far (all its threads)."""
-    import psutil
-
-    times = psutil.Process(child.proc.pid).cpu_times()
-    return times.user + times.system
-
-
 # --- main -------------------------------------------------------------------------------------
 
 
@@ -506,10 +510,9 @@ def main(argv: list[str]) -> int:
                 order = servers if rnd % 2 == 0 else list(reversed(servers))
                 for name, child, mid in order:
                     print(f"throughput c={c} round {rnd} {name}…", flush=True)
-                    cpu0 = _cpu_seconds(child)
                     res = asyncio.run(
-                        throughput(
-                            child.url,
+                        metered_throughput(
+                            child,
                             mid,
                             concurrency=c,
                             requests=args.requests,
@@ -517,8 +520,6 @@ def main(argv: list[str]) -> int:
                             tag=f"{name}-{c}-{rnd}",
                         )
                     )
-                    cpu_s = _cpu_seconds(child) - cpu0
-                    res["server_cpu_ms_per_token"] = cpu_s / max(1, res["tokens"]) * 1e3
                     results["throughput"][name][str(c)].append(res)
         for c in (1, 8):
             results["constrained"][str(c)] = asyncio.run(

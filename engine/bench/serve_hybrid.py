@@ -40,13 +40,12 @@ from moetray.engine.bench.serve import (
     ADMIN_TOKEN,
     GIB,
     Child,
-    _cpu_seconds,
     _env,
     cold_vs_followup,
+    metered_throughput,
     report,
     start_moetray,
     stop_process_group,
-    throughput,
 )
 
 
@@ -211,10 +210,9 @@ def run(args: Any) -> int:
             theirs = results["throughput"]["transformers generate"][str(c)] = []
             for rnd in range(args.rounds):  # interleaved: a busy machine slows both alike
                 print(f"throughput c={c} round {rnd}: moetray, then generate…", flush=True)
-                cpu0 = _cpu_seconds(mt)
                 res = asyncio.run(
-                    throughput(
-                        mt.url,
+                    metered_throughput(
+                        mt,
                         served_id,
                         concurrency=c,
                         requests=max(c, args.requests // 2),
@@ -223,7 +221,6 @@ def run(args: Any) -> int:
                         extra={"ignore_eos": True},
                     )
                 )
-                res["server_cpu_ms_per_token"] = (_cpu_seconds(mt) - cpu0) / max(1, res["tokens"]) * 1e3
                 ours.append(res)
                 theirs.append(baseline.run(batch=c, max_tokens=args.max_tokens, tag=f"gen-{c}-{rnd}"))
         status = httpx.get(
