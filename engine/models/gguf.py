@@ -5,7 +5,9 @@ experts kept in their blocks.
 split set (``…-00001-of-0000N.gguf``). Headers are read through transformers' GGUF reader
 (:mod:`moetray.engine.models.hf`); the config is built here from the metadata (transformers'
 legacy mapping takes qwen2moe/qwen3moe expert sizes from defaults and assumes attention biases).
-Families: qwen2moe, qwen3moe, gpt-oss, and llama files with ``ffn_*_exps`` tensors (Mixtral). Non-expert
+Families: qwen2moe, qwen3moe, gpt-oss, llama files with ``ffn_*_exps`` tensors (Mixtral), and
+qwen35moe (Qwen3.5/3.6-MoE, hybrid: its config is transformers' own reading of the metadata and its
+converter's transforms are undone by :mod:`moetray.engine.models.gguf_qwen35`). Non-expert
 weights are dequantized at load (gguf-py's arithmetic, bit for bit); the routed experts go to a
 :class:`~moetray.engine.experts.store.QuantizedExpertStore` as the file's blocks. The tokenizer and
 chat template come from the metadata (``AutoTokenizer.from_pretrained(…, gguf_file=…)``).
@@ -29,28 +31,39 @@ from typing import Any
 import numpy as np
 import torch
 
+from moetray.engine.models import gguf_qwen35 as qwen35
 from moetray.engine.models.files import CheckpointError, gguf_files
-from moetray.engine.models.hf import GgufHeader, GgufTensor, read_header
+from moetray.engine.models.hf import GgufHeader, GgufTensor, native_config_fields, read_header
 
 __all__ = ["GgufCheckpoint", "load_gguf", "load_gguf_tokenizer", "read_gguf"]
 
 log = logging.getLogger(__name__)
 
-MOE_FAMILIES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral", "gpt-oss": "gpt_oss"}
-GGUF_ARCH = {"qwen2moe": "QWEN2MOE", "qwen3moe": "QWEN3MOE", "llama": "LLAMA", "gpt-oss": "GPT_OSS"}
+MOE_FAMILIES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "llama": "mixtral",
+    "gpt-oss": "gpt_oss",
+    "qwen35moe": "qwen3_5_moe_text",
+}
+GGUF_ARCH = {
+    "qwen2moe": "QWEN2MOE",
+    "qwen3moe": "QWEN3MOE",
+    "llama": "LLAMA",
+    "gpt-oss": "GPT_OSS",
+    "qwen35moe": "QWEN35MOE",
+}
 """gguf-py's ``MODEL_ARCH`` member of each mapped architecture (its tensor-name map)."""
 ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "llama": "MixtralForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
 }
 GPT_OSS_SWIGLU: dict[str, Any] = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}  # config keyword arguments
 """gpt-oss's clamped SwiGLU as llama.cpp computes it: constants of its graph, not metadata."""
-LATER_FAMILIES = {
-    "qwen35moe": "Qwen3.5/3.6-MoE GGUF files (hybrid recurrent layers) are not mapped yet "
-    "(their Hugging Face checkpoints are served, recurrent state included)",
-}
+MAPPED = "qwen2moe, qwen3moe, qwen35moe, gpt-oss, llama/Mixtral"
 DENSE_FAMILIES = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral", "falcon"}
 
 
@@ -141,11 +154,6 @@ def gguf_config(arch: str, metadata: dict, tensors: dict[str, GgufTensor]):
     over a metadata key that disagrees). Refuses ``unsupported_family`` and ``not_moe``."""
     from transformers import GptOssConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-    if arch in LATER_FAMILIES:
-        raise CheckpointError(
-            "unsupported_family", f"GGUF architecture {arch}: {LATER_FAMILIES[arch]}", model_type=arch
-        )
-
     def key(name: str, default=None):
         return metadata.get(f"{arch}.{name}", default)
 
@@ -170,15 +178,17 @@ def gguf_config(arch: str, metadata: dict, tensors: dict[str, GgufTensor]):
             )
         raise CheckpointError(
             "unsupported_family",
-            f"GGUF architecture {arch} is not one moetray maps (qwen2moe, qwen3moe, gpt-oss, llama/Mixtral)",
+            f"GGUF architecture {arch} is not one moetray maps ({MAPPED})",
             model_type=arch,
         )
     if arch not in MOE_FAMILIES:
         raise CheckpointError(
             "unsupported_family",
-            f"GGUF architecture {arch} is not one moetray maps (qwen2moe, qwen3moe, gpt-oss, llama/Mixtral)",
+            f"GGUF architecture {arch} is not one moetray maps ({MAPPED})",
             model_type=arch,
         )
+    if arch == qwen35.ARCH:
+        return qwen35.qwen35moe_config(metadata, tensors, native_config_fields(metadata, tuple(tensors)))
     first = moe[0]
     experts, inter, hidden = tensors[f"blk.{first}.ffn_gate_exps.weight"].shape
     vocab = tensors["token_embd.weight"].shape[0]
@@ -335,6 +345,20 @@ def _reverse_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) 
     return weights.reshape(n_head, dim, 2, *weights.shape[1:]).swapaxes(2, 1).reshape(weights.shape)
 
 
+def tensor_name(names, key: str, arch: str) -> str | None:
+    """The GGUF name llama.cpp's converter gives the model parameter ``key`` (``names``: gguf-py's
+    tensor-name map of ``arch``), None when it has none. A bare parameter is ``NAME.weight``
+    (gpt-oss's attention sinks) but for qwen35moe's, whose leaves :mod:`gguf_qwen35` names."""
+    if arch == qwen35.ARCH and (bare := qwen35.tensor_name(key)) is not None:
+        return bare
+    whole = names.get_name(key)
+    if whole is not None:
+        return f"{whole}.weight"
+    base, _, suffix = key.rpartition(".")
+    name = names.get_name(base)
+    return None if name is None else f"{name}.{suffix}"
+
+
 def _non_expert_state(
     ck: GgufCheckpoint, model, files: _Files, dtype: torch.dtype, progress: Callable[[int, int], None]
 ) -> dict[str, torch.Tensor]:
@@ -348,11 +372,10 @@ def _non_expert_state(
         base, _, suffix = key.rpartition(".")
         if base.endswith(".experts") or (config.tie_word_embeddings and key == "lm_head.weight"):
             continue
-        whole = names.get_name(key)  # a bare parameter (gpt-oss's attention sinks) is NAME.weight
-        name, suffix = (whole, "weight") if whole is not None else (names.get_name(base), suffix)
-        if name is None or f"{name}.{suffix}" not in ck.tensors:
+        name = tensor_name(names, key, ck.arch)
+        if name is None or name not in ck.tensors:
             continue  # missing_weights is raised by the assignment if a parameter stays empty
-        wanted.append((key, ck.tensors[f"{name}.{suffix}"]))
+        wanted.append((key, ck.tensors[name]))
     state = {}
     meta = model.state_dict()
     for done, (key, t) in enumerate(wanted, start=1):
@@ -361,6 +384,8 @@ def _non_expert_state(
             values = _reverse_permute(values, config.num_attention_heads, config.num_attention_heads)
         elif ck.arch == "llama" and t.name.endswith("attn_k.weight"):
             values = _reverse_permute(values, config.num_attention_heads, config.num_key_value_heads)
+        elif ck.arch == qwen35.ARCH:
+            values = qwen35.from_file(t.name, values, config)
         target = meta[key]
         if tuple(values.shape) != tuple(target.shape):
             if values.numel() != target.numel():

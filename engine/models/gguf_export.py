@@ -36,8 +36,13 @@ ARCH_BY_MODEL_TYPE = {
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
     "gpt_oss": "gpt-oss",
+    "qwen3_5_moe": "qwen35moe",
+    "qwen3_5_moe_text": "qwen35moe",
 }
 """The GGUF architecture llama.cpp's converter writes for each transformers model type."""
+
+F32_LEAVES = ("ffn_gate_inp.weight", "ssm_conv1d.weight")
+"""Tensors the converter always writes F32 (``llama-quantize`` leaves them so too)."""
 
 Blocks = Callable[[str, tuple[int, ...], int], np.ndarray]
 """``(gguf name, torch-order shape, ggml type) → uint8 blocks`` for types nothing here quantizes."""
@@ -76,8 +81,8 @@ def _encode(name: str, array: np.ndarray, qtype: GGMLQuantizationType,
     from gguf import GGML_QUANT_SIZES, quants
     from gguf import GGMLQuantizationType as Q
 
-    if array.ndim < 2 or name.endswith("ffn_gate_inp.weight") or not name.endswith(".weight"):
-        return array.astype(np.float32), Q.F32  # the converter keeps routers and biases F32
+    if array.ndim < 2 or name.endswith(F32_LEAVES) or not name.endswith(".weight"):
+        return array.astype(np.float32), Q.F32  # the converter keeps routers, convolutions, biases F32
     elems, _ = GGML_QUANT_SIZES[qtype]
     if array.shape[-1] % elems:
         # llama.cpp's fallback for rows a block does not divide: Q8_0 where it can, else F16.
@@ -110,9 +115,11 @@ def _tensors(model, config, arch: str):
     """``(gguf name, float32 array)`` for every tensor of ``model``, in the converter's names."""
     import gguf
 
-    from moetray.engine.models.gguf import GGUF_ARCH
+    from moetray.engine.models import gguf_qwen35 as qwen35
+    from moetray.engine.models.gguf import GGUF_ARCH, tensor_name
 
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    config = config.get_text_config()
     names = gguf.get_tensor_name_map(
         gguf.MODEL_ARCH[GGUF_ARCH[arch]], config.num_hidden_layers
     )
@@ -135,17 +142,18 @@ def _tensors(model, config, arch: str):
             else:
                 raise ValueError(f"no GGUF name for {key}")
             continue
-        whole = names.get_name(key)  # a bare parameter (gpt-oss's attention sinks) → NAME.weight
-        name, suffix = (whole, "weight") if whole is not None else (names.get_name(base), suffix)
+        name = tensor_name(names, key, arch)
         if name is None:
             raise ValueError(f"no GGUF name for {key}")
-        if name.endswith("ffn_gate_inp_shexp"):
+        if "ffn_gate_inp_shexp." in name:
             value = value.reshape(-1)
-        if arch == "llama" and name.endswith(".attn_q"):
+        if arch == "llama" and name.endswith(".attn_q.weight"):
             value = _permute(value, config.num_attention_heads, config.num_attention_heads)
-        elif arch == "llama" and name.endswith(".attn_k"):
+        elif arch == "llama" and name.endswith(".attn_k.weight"):
             value = _permute(value, config.num_attention_heads, config.num_key_value_heads)
-        out.append((f"{name}.{suffix}", value))
+        elif arch == qwen35.ARCH:
+            value = qwen35.to_file(name, torch.from_numpy(value), config).numpy()
+        out.append((name, value))
     return out
 
 
@@ -213,6 +221,8 @@ def _write_metadata(writer, config, arch: str, tokenizer, file_type: int) -> Non
         writer.add_value_length(text.head_dim)
         writer.add_sliding_window(text.sliding_window)
         _write_rope_scaling(writer, text.rope_parameters or {})
+    elif arch == "qwen35moe":
+        _write_qwen35moe(writer, text)
     else:
         writer.add_feed_forward_length(text.intermediate_size)
         writer.add_expert_count(text.num_experts)
@@ -224,6 +234,29 @@ def _write_metadata(writer, config, arch: str, tokenizer, file_type: int) -> Non
             writer.add_value_length(text.head_dim)
     writer.add_expert_used_count(text.num_experts_per_tok)
     _write_tokenizer(writer, tokenizer, text, arch)
+
+
+def _write_qwen35moe(writer, text) -> None:
+    """The keys ``Qwen3NextModel``/``Qwen3_5MoeTextModel`` add: experts, the Gated DeltaNet's
+    ``ssm.*`` sizes, the full-attention interval and the partial, sectioned (mrope) rotary width."""
+    from moetray.engine.models.gguf_qwen35 import full_attention_interval
+
+    writer.add_expert_count(text.num_experts)
+    writer.add_expert_feed_forward_length(text.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(text.shared_expert_intermediate_size)
+    writer.add_key_length(text.head_dim)
+    writer.add_value_length(text.head_dim)
+    writer.add_ssm_conv_kernel(text.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(text.linear_key_head_dim)
+    writer.add_ssm_group_count(text.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(text.linear_num_value_heads)
+    writer.add_ssm_inner_size(text.linear_value_head_dim * text.linear_num_value_heads)
+    writer.add_full_attention_interval(full_attention_interval(list(text.layer_types)))
+    rope = text.rope_parameters or {}
+    writer.add_rope_dimension_count(int(text.head_dim * rope.get("partial_rotary_factor", 0.25)))
+    # llama.cpp requires the sections; the converter writes its default where a config has none
+    sections = list(rope.get("mrope_section") or [11, 11, 10])
+    writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
 
 
 def _write_tokenizer(writer, tokenizer, text, arch: str) -> None:

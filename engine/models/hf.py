@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from transformers.integrations.gguf.reader import _mapped, _read_string, _read_tensor_table, _read_value
 
-__all__ = ["GgufHeader", "GgufTensor", "read_header"]
+__all__ = ["GgufHeader", "GgufTensor", "native_config_fields", "read_header"]
 
 _VERSIONS = (2, 3)
 
@@ -44,6 +44,15 @@ class GgufHeader(NamedTuple):
     def blob(self) -> np.ndarray:
         """The file as a read-only ``uint8`` memory map (pages are read when touched)."""
         return _mapped(str(self.path))
+
+
+def native_config_fields(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """transformers' own config fields for a file of an architecture its GGUF integration maps
+    natively (``gguf_config_mapping``: qwen35moe among them), from the header alone. The vocabulary
+    may be its length (:func:`read_header` skips string arrays), as that mapping expects."""
+    from transformers.integrations.gguf.gguf_config_mapping import get_gguf_config
+
+    return get_gguf_config(metadata, tensor_names)
 
 
 def read_header(path: str | Path, string_arrays: Container[str] = ()) -> GgufHeader:
