@@ -50,6 +50,15 @@ def render_tool_calls(fmt: ToolCallFormat, calls: Sequence[Mapping[str, Any]]) -
     def dump(obj: object) -> str:
         return json.dumps(obj, ensure_ascii=False)
 
+    def xml(head: str, param: str, tail: str) -> str:
+        """Each call as ``head`` (naming it), one ``param`` per argument, then ``tail``."""
+        return "\n".join(
+            head.format(m=m, n=n)
+            + "".join(param.format(m=m, k=k, v=_raw(v)) for k, v in a.items())
+            + tail.format(m=m)
+            for n, a in items
+        )
+
     if m.grammar == "json_block":
         return "\n".join(f"{m.opener}\n{dump({'name': n, 'arguments': a})}\n{m.closer}" for n, a in items)
     if m.grammar == "json_sequence":
@@ -57,20 +66,16 @@ def render_tool_calls(fmt: ToolCallFormat, calls: Sequence[Mapping[str, Any]]) -
     if m.grammar == "mistral":
         return f"{m.opener}" + dump([{"name": n, "arguments": a} for n, a in items])
     if m.grammar == "xml_function":
-        param = "{m.param_open}{k}{m.param_name_end}\n{v}\n{m.param_close}\n"
-        return "\n".join(
-            f"{m.opener}\n{m.function_open}{n}{m.name_end}\n"
-            + "".join(param.format(m=m, k=k, v=_raw(v)) for k, v in a.items())
-            + f"{m.function_close}\n{m.closer}"
-            for n, a in items
+        return xml(
+            "{m.opener}\n{m.function_open}{n}{m.name_end}\n",
+            "{m.param_open}{k}{m.param_name_end}\n{v}\n{m.param_close}\n",
+            "{m.function_close}\n{m.closer}",
         )
     if m.grammar == "xml_arg_pairs":
-        param = "{m.param_open}{k}{m.param_name_end}\n{m.value_open}{v}{m.param_close}\n"
-        return "\n".join(
-            f"{m.opener}{n}{m.name_end}"
-            + "".join(param.format(m=m, k=k, v=_raw(v)) for k, v in a.items())
-            + f"{m.closer}"
-            for n, a in items
+        return xml(
+            "{m.opener}{n}{m.name_end}",
+            "{m.param_open}{k}{m.param_name_end}\n{m.value_open}{v}{m.param_close}\n",
+            "{m.closer}",
         )
     return "".join(
         f"{HARMONY.channel}commentary to={HARMONY.functions}{n} {HARMONY.constrain}json"

@@ -115,14 +115,14 @@ class StepBreakdown:
         for module in self.model.modules():
             attn = getattr(module, "self_attn", None)
             if attn is not None and hasattr(attn, "forward"):
-                self._wrap(attn, "forward", self._timed("attention"))
-        self._wrap(self.runtime, "forward", self._timed("experts"))
+                self._wrap(attn, "forward", self._timed_part("attention"))
+        self._wrap(self.runtime, "forward", self._timed_part("experts"))
         self._wrap(self.model, "forward", self._timed_forward)
         runner = self.processor.model_runner
         self._wrap(runner, "_forward_process_and_sample", self._timed_compute)
         self._wrap(self.processor, "prepare_next_batch", self._timed_prepare)
         self._wrap(self.processor, "update_batch", self._timed_update)
-        self._wrap(self.processor.output_router, "deliver_batch", self._timed("outputs"))
+        self._wrap(self.processor.output_router, "deliver_batch", self._timed_part("outputs"))
         return self
 
     def uninstall(self) -> None:
@@ -137,44 +137,36 @@ class StepBreakdown:
 
     # --- wrappers ------------------------------------------------------------------------
 
-    def _timed(self, category: str) -> Callable[[Callable], Callable]:
-        def wrapper(fn: Callable) -> Callable:
-            def timed(*args, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    step = self._step
-                    if step is not None:
-                        step.parts[category] += time.perf_counter() - t0
-            return timed
-        return wrapper
+    def _timed(self, fn: Callable, book: Callable[[_Step, float, dict[str, Any]], None]) -> Callable:
+        """``fn`` with its wall time handed to ``book(step, seconds, kwargs)`` when a step is open."""
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                step = self._step
+                if step is not None:
+                    book(step, time.perf_counter() - t0, kwargs)
+        return timed
+
+    def _timed_part(self, category: str) -> Callable[[Callable], Callable]:
+        def book(step: _Step, seconds: float, kwargs: dict[str, Any]) -> None:
+            step.parts[category] += seconds
+        return lambda fn: self._timed(fn, book)
 
     def _timed_forward(self, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                step = self._step
-                if step is not None:
-                    step.forward += time.perf_counter() - t0
-                    ids = kwargs.get("input_ids")
-                    keep = kwargs.get("logits_indices", kwargs.get("logits_to_keep"))
-                    step.query_tokens = int(ids.shape[-1]) if ids is not None else 0
-                    step.logits = int(keep.numel()) if hasattr(keep, "numel") else 0
-        return timed
+        def book(step: _Step, seconds: float, kwargs: dict[str, Any]) -> None:
+            step.forward += seconds
+            ids = kwargs.get("input_ids")
+            keep: Any = kwargs.get("logits_indices", kwargs.get("logits_to_keep"))
+            step.query_tokens = int(ids.shape[-1]) if ids is not None else 0
+            step.logits = int(keep.numel()) if hasattr(keep, "numel") else 0
+        return self._timed(fn, book)
 
     def _timed_compute(self, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                step = self._step
-                if step is not None:
-                    step.compute += time.perf_counter() - t0
-        return timed
+        def book(step: _Step, seconds: float, kwargs: dict[str, Any]) -> None:
+            step.compute += seconds
+        return self._timed(fn, book)
 
     def _timed_prepare(self, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -190,18 +182,11 @@ class StepBreakdown:
         return timed
 
     def _timed_update(self, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                step = self._step
-                if step is not None:
-                    end = time.perf_counter()
-                    step.parts["scheduler"] += end - t0 - step.parts["outputs"]
-                    self._commit(step, end)
-                self._step = None
-        return timed
+        def book(step: _Step, seconds: float, kwargs: dict[str, Any]) -> None:
+            step.parts["scheduler"] += seconds - step.parts["outputs"]
+            self._commit(step, time.perf_counter())
+            self._step = None  # the step ends here
+        return self._timed(fn, book)
 
     def _commit(self, step: _Step, end: float) -> None:
         parts = step.parts

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from moetray.engine.bench.serve import GIB, Child, _cpu_seconds, start_moetray, throughput
+from moetray.engine.bench.serve import GIB, Child, metered_throughput, start_moetray
 
 _NOTE_SCHEMA = {
     "type": "object",
@@ -56,12 +56,10 @@ async def constrained(child: Child, model: str, *, concurrency: int, requests: i
         for kind in kinds[rnd % len(kinds):] + kinds[: rnd % len(kinds)]:
             extra = {**CONSTRAINED_KINDS[kind], "ignore_eos": True}
             print(f"constrained c={concurrency} round {rnd} {kind}…", flush=True)
-            cpu0 = _cpu_seconds(child)
-            run = await throughput(
-                child.url, model, concurrency=concurrency, requests=requests, max_tokens=max_tokens,
+            run = await metered_throughput(
+                child, model, concurrency=concurrency, requests=requests, max_tokens=max_tokens,
                 tag=f"constrained-{rnd}", extra=extra,
             )
-            run["server_cpu_ms_per_token"] = (_cpu_seconds(child) - cpu0) / max(1, run["tokens"]) * 1e3
             out[kind].append(run)
     return out
 

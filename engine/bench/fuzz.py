@@ -29,7 +29,6 @@ import json
 import math
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -132,16 +131,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     from moetray.engine.bench.results import write_receipt
-    from moetray.engine.bench.serve import ADMIN_TOKEN, ensure_bench_model, start_moetray
+    from moetray.engine.bench.serve import ADMIN_TOKEN, start_small_moetray
 
     args = parser().parse_args(argv)
-    model = args.model or ensure_bench_model()
-    logdir = args.logdir or Path(tempfile.mkdtemp(prefix="moetray-fuzz-"))
-    logdir.mkdir(parents=True, exist_ok=True)  # a --logdir given may not exist yet
-    child = start_moetray(
-        model, kv_tokens=args.kv_tokens, budget=256 << 20, threads=args.threads, prefix="radix",
-        logdir=logdir, page=16, batch_tokens=64,
-    )  # fmt: skip
+    child, model, logdir = start_small_moetray(args, "fuzz")
     started = time.monotonic()
     try:
         operations = len(json.loads(_get(f"{child.url}/openapi.json"))["paths"]) or 1

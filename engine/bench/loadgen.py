@@ -19,6 +19,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -32,6 +33,13 @@ def prompt(i: int, tag: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"{tag} {i}: write a long story about {TOPICS[i % len(TOPICS)]}."}]
 
 
+async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI-style event stream (its ``data:`` lines, up to ``[DONE]``)."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     first = last = None
@@ -41,10 +49,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
         if r.status_code != 200:
             text = (await r.aread()).decode(errors="replace")
             raise RuntimeError(f"HTTP {r.status_code}: {text[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(r):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:

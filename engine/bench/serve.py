@@ -37,11 +37,15 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from moetray.engine.bench.loadgen import sse_chunks
+from moetray.engine.bench.random_model import CORPUS, ensure_random_model
 
 ADMIN_TOKEN = "bench-admin-token"
 GIB = 1 << 30
@@ -57,58 +61,20 @@ def bench_model_dir() -> Path:
     return platformdirs.user_cache_path("moetray") / "bench" / "serve-qwen3moe-4k"
 
 
-_CORPUS = (
-    "Mixture of experts models route every token to a few experts chosen by a learned router. "
-    "A serving engine keeps the hottest experts on the device and streams the rest over the link. "
-    "The key value cache stores attention state in pages so that many requests share one pool. "
-    "Prefix caching lets a follow-up turn skip the part of the prompt it has already computed. "
-    "The quick brown fox jumps over the lazy dog while the tray shows tokens per second. "
-)
-
-
 def ensure_bench_model(path: Path | None = None) -> Path:
     """A random Qwen3-MoE (4 layers, 16 experts, top-2, 4096 context) with a byte-level BPE and ChatML."""
-    path = path or bench_model_dir()
-    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
-        return path
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
-    from moetray.engine.bench.tokenizer import chatml_bpe_tokenizer
-
-    fast = chatml_bpe_tokenizer([_CORPUS] * 20, vocab_size=1024)
-    config = Qwen3MoeConfig(
-        vocab_size=len(fast),
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # head_dim: hidden_size / num_attention_heads = 64
-        moe_intermediate_size=256,
-        intermediate_size=512,
-        num_experts=16,
-        num_experts_per_tok=2,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        norm_topk_prob=True,
+    return ensure_random_model(
+        path or bench_model_dir(), Qwen3MoeConfig, intermediate_size=512, norm_topk_prob=True
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 0
-    tmp = path.with_name(path.name + ".partial")
-    model.save_pretrained(tmp)
-    fast.save_pretrained(tmp)
-    tmp.rename(path)
-    return path
 
 
 # --- child servers ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a child server to bind)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -140,13 +106,22 @@ class Child:
         raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_process_group(self.proc)
         self._fh.close()
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """End a child started in its own session: SIGTERM to its group, SIGKILL if it outlives 30 s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass  # the group ended between the poll and the signal
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -172,7 +147,7 @@ def start_moetray(
     page: int,
     batch_tokens: int,
 ) -> Child:
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -211,10 +186,24 @@ def start_moetray(
     return child
 
 
+def start_small_moetray(args: Any, name: str) -> tuple[Child, Path, Path]:
+    """The robustness benches' engine (``soak``, ``fuzz``): ``--model`` or the bench model on a
+    small pool (``--kv-tokens``, a 256 MiB expert budget, 16-token pages, 64-token batches),
+    logging into ``--logdir`` or a new temporary folder; the child, its model and its log folder."""
+    model = args.model or ensure_bench_model()
+    logdir = args.logdir or Path(tempfile.mkdtemp(prefix=f"moetray-{name}-"))
+    logdir.mkdir(parents=True, exist_ok=True)  # a --logdir given may not exist yet
+    child = start_moetray(
+        model, kv_tokens=args.kv_tokens, budget=256 << 20, threads=args.threads, prefix="radix",
+        logdir=logdir, page=16, batch_tokens=64,
+    )  # fmt: skip
+    return child, model, logdir
+
+
 def start_transformers(
     model: Path, *, kv_pages: int, threads: int, logdir: Path, page: int, batch_tokens: int
 ) -> Child:
-    port = _free_port()
+    port = free_port()
     exe = Path(sys.executable).with_name("transformers")
     cmd = [
         str(exe),
@@ -289,6 +278,18 @@ async def throughput(
     return {"tok_s": sum(tokens) / wall, "tokens": sum(tokens), "wall_s": wall, "requests": requests}
 
 
+async def metered_throughput(child: Child, model: str, **round_: Any) -> dict[str, Any]:
+    """One :func:`throughput` round on ``child``, plus ``server_cpu_ms_per_token``: the server's
+    user + system CPU seconds over the round (all its threads) per completion token."""
+    import psutil
+
+    server = psutil.Process(child.proc.pid)
+    cpu0 = sum(server.cpu_times()[:2])
+    res = await throughput(child.url, model, **round_)
+    res["server_cpu_ms_per_token"] = (sum(server.cpu_times()[:2]) - cpu0) / max(1, res["tokens"]) * 1e3
+    return res
+
+
 async def ttft(
     url: str, model: str, messages, max_tokens: int = 8
 ) -> tuple[float, dict[str, Any] | None, str]:
@@ -306,10 +307,7 @@ async def ttft(
         t0 = time.perf_counter()
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(r):
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices") or []:
@@ -323,7 +321,7 @@ async def ttft(
 
 def _long_history(tag: str, n_tokens: int, tokenizer) -> str:
     words, text = [], ""
-    sentences = _CORPUS.split(". ")
+    sentences = CORPUS.split(". ")
     i = 0
     while len(tokenizer.encode(text)) < n_tokens:
         words.append(f"[{tag}:{i}] {sentences[i % len(sentences)]}.")
@@ -437,14 +435,6 @@ def http_round_trip_ms(url: str, n: int = 20) -> float:
     return statistics.median(times)
 
 
-def _cpu_seconds(child: Child) -> float:
-    """The child server's user + system CPU seconds so far (all its threads)."""
-    import psutil
-
-    times = psutil.Process(child.proc.pid).cpu_times()
-    return times.user + times.system
-
-
 # --- main -------------------------------------------------------------------------------------
 
 
@@ -487,8 +477,6 @@ def main(argv: list[str]) -> int:
         return run(args)
     from transformers import AutoTokenizer
 
-    from moetray.engine.bench.results import write_receipt
-
     print("preparing the benchmark model…", flush=True)
     model_dir = ensure_bench_model() if args.model is None else args.model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -522,10 +510,9 @@ def main(argv: list[str]) -> int:
                 order = servers if rnd % 2 == 0 else list(reversed(servers))
                 for name, child, mid in order:
                     print(f"throughput c={c} round {rnd} {name}…", flush=True)
-                    cpu0 = _cpu_seconds(child)
                     res = asyncio.run(
-                        throughput(
-                            child.url,
+                        metered_throughput(
+                            child,
                             mid,
                             concurrency=c,
                             requests=args.requests,
@@ -533,8 +520,6 @@ def main(argv: list[str]) -> int:
                             tag=f"{name}-{c}-{rnd}",
                         )
                     )
-                    cpu_s = _cpu_seconds(child) - cpu0
-                    res["server_cpu_ms_per_token"] = cpu_s / max(1, res["tokens"]) * 1e3
                     results["throughput"][name][str(c)].append(res)
         for c in (1, 8):
             results["constrained"][str(c)] = asyncio.run(
@@ -686,16 +671,25 @@ def main(argv: list[str]) -> int:
         "round trip. KV re-splits re-create the paged cache (stop loop, free, allocate zeroed pool, start)."
     )
     results["goals"] = goals
+    return report(
+        "serve", args, model_dir, baseline="transformers serve", results=results, rows=rows,
+        title="Serving: moetray vs transformers serve (HTTP, CPU)", notes=notes,
+    )  # fmt: skip
+
+
+def report(
+    name: str, args: Any, model_dir: Path, *, baseline: str, results: dict[str, Any], rows: list[list[Any]],
+    title: str, notes: list[str],
+) -> int:  # fmt: skip
+    """Write a serving bench's receipt (its parsed ``args`` as the params, ``model_dir`` as the
+    model; columns moetray (A) against ``baseline`` (B)) and print its rows; the exit status."""
+    from moetray.engine.bench.results import write_receipt
+
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     params["model"] = str(model_dir)
+    columns = ["measure", "moetray (A)", f"{baseline} / other (B)", "A/B"]
     path = write_receipt(
-        "serve",
-        params=params,
-        results=results,
-        columns=["measure", "moetray (A)", "transformers serve / other (B)", "A/B"],
-        rows=rows,
-        title="Serving: moetray vs transformers serve (HTTP, CPU)",
-        notes=notes,
+        name, params=params, results=results, columns=columns, rows=rows, title=title, notes=notes
     )
     print(f"receipt: {path}")
     for row in rows:

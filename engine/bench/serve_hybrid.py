@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,16 +35,17 @@ from typing import Any
 
 import httpx
 
+from moetray.engine.bench.random_model import ensure_random_model
 from moetray.engine.bench.serve import (
-    _CORPUS,
     ADMIN_TOKEN,
     GIB,
     Child,
-    _cpu_seconds,
     _env,
     cold_vs_followup,
+    metered_throughput,
+    report,
     start_moetray,
-    throughput,
+    stop_process_group,
 )
 
 
@@ -58,47 +57,20 @@ def hybrid_bench_model_dir() -> Path:
 
 def ensure_hybrid_bench_model(path: Path | None = None) -> Path:
     """A random Qwen3.5-MoE text model (4 layers: 3 Gated DeltaNet + 1 attention) with a ChatML BPE."""
-    path = path or hybrid_bench_model_dir()
-    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
-        return path
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
+    from transformers import Qwen3_5MoeTextConfig
 
-    from moetray.engine.bench.tokenizer import chatml_bpe_tokenizer
-
-    fast = chatml_bpe_tokenizer([_CORPUS] * 20, vocab_size=1024)
-    config = Qwen3_5MoeTextConfig(
-        vocab_size=len(fast),
-        hidden_size=256,
-        num_hidden_layers=4,
+    return ensure_random_model(
+        path or hybrid_bench_model_dir(),
+        Qwen3_5MoeTextConfig,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
         linear_conv_kernel_dim=4,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        moe_intermediate_size=256,
         shared_expert_intermediate_size=256,
-        num_experts=16,
-        num_experts_per_tok=2,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 0
-    tmp = path.with_name(path.name + ".partial")
-    model.save_pretrained(tmp)
-    fast.save_pretrained(tmp)
-    tmp.rename(path)
-    return path
 
 
 class GenerateBaseline:
@@ -172,12 +144,7 @@ class GenerateChild:
         return json.loads(line)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_process_group(self.proc)
         self._log.close()
 
 
@@ -214,8 +181,6 @@ def run(args: Any) -> int:
     """The hybrid serving benchmark with ``moetray bench serve``'s parsed arguments."""
     from transformers import AutoTokenizer
 
-    from moetray.engine.bench.results import write_receipt
-
     print("preparing the hybrid benchmark model…", flush=True)
     model_dir = ensure_hybrid_bench_model() if args.model is None else args.model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -245,10 +210,9 @@ def run(args: Any) -> int:
             theirs = results["throughput"]["transformers generate"][str(c)] = []
             for rnd in range(args.rounds):  # interleaved: a busy machine slows both alike
                 print(f"throughput c={c} round {rnd}: moetray, then generate…", flush=True)
-                cpu0 = _cpu_seconds(mt)
                 res = asyncio.run(
-                    throughput(
-                        mt.url,
+                    metered_throughput(
+                        mt,
                         served_id,
                         concurrency=c,
                         requests=max(c, args.requests // 2),
@@ -257,7 +221,6 @@ def run(args: Any) -> int:
                         extra={"ignore_eos": True},
                     )
                 )
-                res["server_cpu_ms_per_token"] = (_cpu_seconds(mt) - cpu0) / max(1, res["tokens"]) * 1e3
                 ours.append(res)
                 theirs.append(baseline.run(batch=c, max_tokens=args.max_tokens, tag=f"gen-{c}-{rnd}"))
         status = httpx.get(
@@ -311,22 +274,11 @@ def run(args: Any) -> int:
         "Random weights: the work per token is real.",
     ]
     results["goals"] = goals
-    params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    params["model"] = str(model_dir)
-    path = write_receipt(
-        "serve-hybrid",
-        params=params,
-        results=results,
-        columns=["measure", "moetray (A)", "transformers generate / other (B)", "A/B"],
-        rows=rows,
+    return report(
+        "serve-hybrid", args, model_dir, baseline="transformers generate", results=results, rows=rows,
         title="Serving a hybrid model (Gated DeltaNet + attention): snapshots and throughput (CPU)",
         notes=notes,
     )
-    print(f"receipt: {path}")
-    for row in rows:
-        print(" | ".join("—" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v)) for v in row))
-    return 0
-
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--generate-worker"]:

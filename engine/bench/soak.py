@@ -29,7 +29,6 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -273,17 +272,11 @@ async def _soak(child, args, warmup_s: float) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     from moetray.engine.bench.results import write_receipt
-    from moetray.engine.bench.serve import ADMIN_TOKEN, ensure_bench_model, start_moetray
+    from moetray.engine.bench.serve import ADMIN_TOKEN, start_small_moetray
 
     args = parser().parse_args(argv)
     warmup_s = args.warmup_s if args.warmup_s is not None else args.duration_s / 5
-    model = args.model or ensure_bench_model()
-    logdir = args.logdir or Path(tempfile.mkdtemp(prefix="moetray-soak-"))
-    logdir.mkdir(parents=True, exist_ok=True)  # a --logdir given may not exist yet
-    child = start_moetray(
-        model, kv_tokens=args.kv_tokens, budget=256 << 20, threads=args.threads, prefix="radix",
-        logdir=logdir, page=16, batch_tokens=64,
-    )  # fmt: skip
+    child, model, _ = start_small_moetray(args, "soak")
     try:
         run = asyncio.run(_soak(child, args, warmup_s))
         settled = wait_settled(child.url, ADMIN_TOKEN)

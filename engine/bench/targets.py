@@ -98,11 +98,9 @@ class LlamaServer:
     decodes one sequence at a time, so concurrent requests queue behind one another."""
 
     def __init__(self, label: str, gguf: Path, *, threads: int, ctx: int = 4096) -> None:
-        import socket
+        from moetray.engine.bench.serve import free_port
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         self.label, self.url, self.model = label, f"http://127.0.0.1:{port}", label
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", label,
                "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
@@ -143,15 +141,9 @@ class LlamaServer:
             return None
 
     def stop(self) -> None:
-        import signal
+        from moetray.engine.bench.serve import stop_process_group
 
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
+        stop_process_group(self.proc)
         self._fh.close()
 
 

@@ -15,35 +15,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from example_tools import SCHEMAS, TIME, WEATHER
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 8},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                "unit": {"enum": ["c", "f"]},
-            },
-            "required": ["city", "days"],
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 6}},
-            "required": ["zone"],
-        },
-    },
-}
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

@@ -10,22 +10,12 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moetray.engine.cb import BatchRunner, RadixLedger, RunnerConfig, Sampling, seeded_uniform
 
 PAGE = 16
 EOS = 2
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_moe):
-    path = tiny_moe("qwen3_moe", "per_expert")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    return model, tok
 
 
 def prompt_ids(tok, text: str) -> list[int]:

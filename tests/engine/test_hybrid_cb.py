@@ -14,16 +14,15 @@ import json
 
 import pytest
 import torch
+from test_cb_runner import PAGE, greedy_reference, make_runner, prompt_ids, run_all
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from moetray.engine.cb import BatchRunner, RunnerConfig, Sampling
+from moetray.engine.cb import BatchRunner, Sampling
 from moetray.engine.cb.hybrid import HybridPagedCache
 from moetray.engine.cb.state import StateGeometry
 from moetray.engine.experts import load_offloaded_model
 from moetray.engine.models.checkpoint import CheckpointError, inspect_checkpoint
 
-PAGE = 16
-EOS = 2
 FAMILIES = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
 LAYERS = 4  # three linear-attention layers, then one full-attention layer
 
@@ -46,57 +45,14 @@ def qwen35(tiny_moe):
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def chat(tok, text: str) -> list[int]:
-    return list(
-        tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )["input_ids"]
-    )
+def runner_for(model, *, state_slots=8, max_batch_tokens=64, **kw) -> BatchRunner:
+    return make_runner(model, state_slots=state_slots, max_batch_tokens=max_batch_tokens, **kw)
 
 
-def reference(model, ids: list[int], n: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=EOS, pad_token_id=0
-    )
-    return out[0, len(ids) :].tolist()
-
-
-def runner_for(
-    model, *, state_slots=8, kv_pages=64, policy="radix", max_batch_tokens=64, **kw
-) -> BatchRunner:
-    runner = BatchRunner(
-        model,
-        RunnerConfig(
-            kv_pages=kv_pages,
-            state_slots=state_slots,
-            page_size=PAGE,
-            max_batch_tokens=max_batch_tokens,
-            prefix_policy=policy,
-            eos_token_ids=(EOS,),
-            **kw,
-        ),
-    )
-    runner.start()
-    return runner
-
-
-async def run_all(runner: BatchRunner, jobs: dict[str, tuple[list[int], int]], timeout=120.0) -> dict:
-    finals: dict[str, object] = {}
-    done = asyncio.Event()
-
-    def handler(rid):
-        def on_output(out):
-            if out.is_finished():
-                finals[rid] = out
-                if len(finals) == len(jobs):
-                    done.set()
-
-        return on_output
-
-    for rid, (ids, n) in jobs.items():
-        runner.submit(rid, ids, max_new_tokens=n, sampling=Sampling(temperature=0.0), on_output=handler(rid))
-    await asyncio.wait_for(done.wait(), timeout)
-    return finals
+async def run_greedy(runner: BatchRunner, jobs: dict[str, tuple[list[int], int]], timeout=120.0) -> dict:
+    """Greedy ``jobs`` (id → prompt, new tokens), all at once; id → final output."""
+    greedy = Sampling(temperature=0.0)
+    return await run_all(runner, {rid: (ids, n, greedy) for rid, (ids, n) in jobs.items()}, timeout)
 
 
 def hybrid_cache(runner: BatchRunner) -> HybridPagedCache:
@@ -113,12 +69,12 @@ async def test_single_and_concurrent_requests_match_generate(hybrid):
     (their decode steps batched over gathered states). Prevents: one request's recurrent state
     leaking into the next in the packed batch, a slot read after another request wrote it."""
     model, tok = hybrid
-    prompts = [chat(tok, f"Hello number {i}, tell me about experts and caches") for i in range(4)]
-    refs = [reference(model, p, 10) for p in prompts]
+    prompts = [prompt_ids(tok, f"Hello number {i}, tell me about experts and caches") for i in range(4)]
+    refs = [greedy_reference(model, p, 10) for p in prompts]
     runner = runner_for(model)
     try:
-        alone = await run_all(runner, {"a": (prompts[0], 10)})
-        together = await run_all(runner, {f"r{i}": (p, 10) for i, p in enumerate(prompts)})
+        alone = await run_greedy(runner, {"a": (prompts[0], 10)})
+        together = await run_greedy(runner, {f"r{i}": (p, 10) for i, p in enumerate(prompts)})
         runner.check_integrity()
         assert runner.state_stats().live == 0  # every request gave its slot back
     finally:
@@ -131,12 +87,14 @@ async def test_chunked_prefill_carries_the_state_across_chunks(qwen35):
     """A prompt longer than the token budget is prefilled in chunks; each chunk must start from the
     state the previous one left (not from zero), and each chunk's page boundary is snapshotted."""
     model, tok = qwen35
-    prompt = chat(tok, "A long question about mixture of experts, caches, pages, slots and layers. " * 2)
+    prompt = prompt_ids(
+        tok, "A long question about mixture of experts, caches, pages, slots and layers. " * 2
+    )
     assert len(prompt) > 3 * PAGE
-    ref = reference(model, prompt, 8)
+    ref = greedy_reference(model, prompt, 8)
     runner = runner_for(model, max_batch_tokens=PAGE)  # one page per step: several chunks
     try:
-        final = await run_all(runner, {"long": (prompt, 8)})
+        final = await run_greedy(runner, {"long": (prompt, 8)})
         cache = hybrid_cache(runner)
         committed = cache.states.counters["snapshots_committed"]
         runner.check_integrity()
@@ -149,11 +107,11 @@ async def test_chunked_prefill_carries_the_state_across_chunks(qwen35):
 async def test_a_state_pool_smaller_than_the_batch_queues_requests_without_changing_tokens(qwen35):
     """Requests hold one state slot while they run; with two slots, four requests take turns."""
     model, tok = qwen35
-    prompts = [chat(tok, f"queue {i}") for i in range(4)]
-    refs = [reference(model, p, 6) for p in prompts]
+    prompts = [prompt_ids(tok, f"queue {i}") for i in range(4)]
+    refs = [greedy_reference(model, p, 6) for p in prompts]
     runner = runner_for(model, state_slots=2)
     try:
-        finals = await run_all(runner, {f"q{i}": (p, 6) for i, p in enumerate(prompts)})
+        finals = await run_greedy(runner, {f"q{i}": (p, 6) for i, p in enumerate(prompts)})
         runner.check_integrity()
     finally:
         runner.stop()
@@ -169,17 +127,17 @@ async def test_a_follow_up_turn_resumes_from_the_last_snapshot_and_equals_a_cold
     skips that many prompt tokens (cached_tokens), restores the snapshot once, and its tokens equal
     a cold generate over the whole follow-up prompt."""
     model, tok = qwen35
-    first = chat(tok, "Tell me about experts and caches, please.")
+    first = prompt_ids(tok, "Tell me about experts and caches, please.")
     runner = runner_for(model)
     try:
-        reply = (await run_all(runner, {"t1": (first, 12)}))["t1"].generated_tokens
-        follow = first + reply + chat(tok, "And then?")
+        reply = (await run_greedy(runner, {"t1": (first, 12)}))["t1"].generated_tokens
+        follow = first + reply + prompt_ids(tok, "And then?")
         cache = hybrid_cache(runner)
         processed = len(first) + len(reply) - 1  # the last reply token is never fed back
         boundary = processed - processed % PAGE
         snapshot = cache.ledger.radix.match_state(follow[:boundary])
         first_turn_pages = cache.ledger.radix.slots_of(snapshot.node)
-        resumed = await run_all(runner, {"t2": (follow, 8)})
+        resumed = await run_greedy(runner, {"t2": (follow, 8)})
         cached = runner.cached_tokens("t2")
         after = cache.ledger.radix.match_state(follow[:boundary])
         counters = dict(cache.states.counters)
@@ -189,7 +147,7 @@ async def test_a_follow_up_turn_resumes_from_the_last_snapshot_and_equals_a_cold
     assert snapshot.cached_len == boundary > 0 and snapshot.state_slot is not None
     assert cached == boundary and counters["resumed"] == 1
     assert cache.ledger.radix.slots_of(after.node) == first_turn_pages  # the same pages, shared
-    assert resumed["t2"].generated_tokens == reference(model, follow, 8)
+    assert resumed["t2"].generated_tokens == greedy_reference(model, follow, 8)
 
 
 async def test_a_snapshot_is_the_state_a_cold_forward_reaches_at_its_boundary(qwen35):
@@ -198,11 +156,11 @@ async def test_a_snapshot_is_the_state_a_cold_forward_reaches_at_its_boundary(qw
     DynamicCache leaves after that many tokens. Prevents: a snapshot taken at the end of the chunk
     instead of at its page boundary, a decode step's state not written back, layers swapped."""
     model, tok = qwen35
-    prompt = chat(tok, "Snapshots at page boundaries, please, with a long enough prompt here.")
+    prompt = prompt_ids(tok, "Snapshots at page boundaries, please, with a long enough prompt here.")
     # chunks of 24 tokens end between page boundaries: each chunk's boundary falls inside it
     runner = runner_for(model, max_batch_tokens=24)
     try:
-        reply = (await run_all(runner, {"s": (prompt, 2 * PAGE)}))["s"].generated_tokens
+        reply = (await run_greedy(runner, {"s": (prompt, 2 * PAGE)}))["s"].generated_tokens
         cache = hybrid_cache(runner)
         sequence = prompt + reply
         boundaries = {}
@@ -239,52 +197,52 @@ async def test_follow_up_tokens_equal_a_cold_run(hybrid):
     """Token identity of a resumed turn for every family: the snapshot is exactly the state a cold
     prefill reaches at that boundary (conv window and recurrent state both)."""
     model, tok = hybrid
-    first = chat(tok, "Experts, caches and pages.")
+    first = prompt_ids(tok, "Experts, caches and pages.")
     runner = runner_for(model)
     try:
-        reply = (await run_all(runner, {"t1": (first, 10)}))["t1"].generated_tokens
-        follow = first + reply + chat(tok, "More, please.")
-        resumed = await run_all(runner, {"t2": (follow, 10)})
+        reply = (await run_greedy(runner, {"t1": (first, 10)}))["t1"].generated_tokens
+        follow = first + reply + prompt_ids(tok, "More, please.")
+        resumed = await run_greedy(runner, {"t2": (follow, 10)})
         cached = runner.cached_tokens("t2")
     finally:
         runner.stop()
     assert cached > 0
-    assert resumed["t2"].generated_tokens == reference(model, follow, 10)
+    assert resumed["t2"].generated_tokens == greedy_reference(model, follow, 10)
 
 
 async def test_snapshot_pressure_evicts_the_least_recent_snapshot_and_stays_correct(qwen35):
     """With only three slots, new requests take slots from old snapshots (LRU); a prompt whose
     snapshot was evicted is recomputed from scratch, never resumed from a slot someone else reused."""
     model, tok = qwen35
-    prompts = [chat(tok, f"conversation {i} about experts and slots") for i in range(4)]
+    prompts = [prompt_ids(tok, f"conversation {i} about experts and slots") for i in range(4)]
     runner = runner_for(model, state_slots=3)
     try:
         for i, p in enumerate(prompts):
-            await run_all(runner, {f"c{i}": (p, 4)})
-        again = await run_all(runner, {"c0-again": (prompts[0], 6), "c3-again": (prompts[3], 6)})
+            await run_greedy(runner, {f"c{i}": (p, 4)})
+        again = await run_greedy(runner, {"c0-again": (prompts[0], 6), "c3-again": (prompts[3], 6)})
         cached = {rid: runner.cached_tokens(rid) for rid in ("c0-again", "c3-again")}
         runner.check_integrity()
     finally:
         runner.stop()
     assert cached["c3-again"] > 0  # the newest conversation's snapshot survived
     for rid, prompt in (("c0-again", prompts[0]), ("c3-again", prompts[3])):
-        assert again[rid].generated_tokens == reference(model, prompt, 6)
+        assert again[rid].generated_tokens == greedy_reference(model, prompt, 6)
 
 
 async def test_prefix_reuse_off_serves_a_hybrid_without_snapshots(qwen35):
     """--prefix-cache off: no match, no snapshot slot taken, the same tokens."""
     model, tok = qwen35
-    prompt = chat(tok, "Nothing cached, please.")
+    prompt = prompt_ids(tok, "Nothing cached, please.")
     runner = runner_for(model, policy="off")
     try:
-        first = await run_all(runner, {"o1": (prompt, 6)})
-        second = await run_all(runner, {"o2": (prompt, 6)})
+        first = await run_greedy(runner, {"o1": (prompt, 6)})
+        second = await run_greedy(runner, {"o2": (prompt, 6)})
         stats = runner.state_stats()
         runner.check_integrity()
     finally:
         runner.stop()
     assert runner.cached_tokens("o2") == 0 and stats.snapshots == 0
-    assert first["o1"].generated_tokens == second["o2"].generated_tokens == reference(model, prompt, 6)
+    assert first["o1"].generated_tokens == second["o2"].generated_tokens == greedy_reference(model, prompt, 6)
 
 
 # ---------------------------------------------------------------- experts offloaded, refusals
@@ -298,15 +256,15 @@ async def test_offloaded_experts_at_a_quarter_capacity_match_the_resident_model(
     tok = AutoTokenizer.from_pretrained(path)
     experts = json.loads((path / "config.json").read_text())["num_experts"]
     offloaded = load_offloaded_model(path, capacity=LAYERS * experts // 4)
-    prompts = [chat(tok, f"quarter {i}") for i in range(4)]
+    prompts = [prompt_ids(tok, f"quarter {i}") for i in range(4)]
     runner = runner_for(offloaded.model)
     try:
-        finals = await run_all(runner, {f"e{i}": (p, 8) for i, p in enumerate(prompts)})
+        finals = await run_greedy(runner, {f"e{i}": (p, 8) for i, p in enumerate(prompts)})
     finally:
         runner.stop()
     assert offloaded.runtime.cache.stats().misses > offloaded.runtime.capacity
     assert [finals[f"e{i}"].generated_tokens for i in range(4)] == [
-        reference(resident, p, 8) for p in prompts
+        greedy_reference(resident, p, 8) for p in prompts
     ]
 
 
@@ -343,41 +301,26 @@ ANCHOR = 100  # stands for a single-token tool-call opener
 async def _tool_turn_then_follow_up(model, tok, anchor_token):
     runner = runner_for(model, anchor_token=anchor_token)
     try:
-        first = chat(tok, "Plan a trip and call the weather tool for Paris.")
+        first = prompt_ids(tok, "Plan a trip and call the weather tool for Paris.")
         forced = (*range(7, 27), ANCHOR, *range(30, 49))
-        t1 = await run_all_forced(runner, first, forced)
+        job = (first, len(forced), Sampling(forced_tokens=forced))
+        t1 = (await run_all(runner, {"t1": job}, 120.0))["t1"].generated_tokens
         anchor_len = len(first) + forced.index(ANCHOR) + 1
-        follow = (first + t1)[:anchor_len] + chat(tok, "tool result: sunny")
+        follow = (first + t1)[:anchor_len] + prompt_ids(tok, "tool result: sunny")
         ledger = hybrid_cache(runner).ledger
         holds = [(hold.state, len(hold.prefix)) for hold in ledger.retention.holds]
-        resumed = await run_all(runner, {"t2": (follow, 6)})
+        resumed = await run_greedy(runner, {"t2": (follow, 6)})
         runner.check_integrity()
         return {
             "anchor_len": anchor_len,
             "holds": holds,
             "hit": runner.cached_tokens("t2"),
             "tokens": resumed["t2"].generated_tokens,
-            "cold": reference(model, follow, 6),
+            "cold": greedy_reference(model, follow, 6),
             "released": dict(ledger.anchors_released),
         }
     finally:
         runner.stop()
-
-
-async def run_all_forced(runner, prompt, forced) -> list[int]:
-    done = asyncio.Event()
-    out: list[int] = []
-
-    def on_output(result):
-        if result.is_finished():
-            out.extend(result.generated_tokens)
-            done.set()
-
-    runner.submit(
-        "t1", prompt, max_new_tokens=len(forced), sampling=Sampling(forced_tokens=forced), on_output=on_output
-    )
-    await asyncio.wait_for(done.wait(), 120)
-    return out
 
 
 async def test_the_snapshot_at_a_tool_call_opener_is_kept_for_the_next_turn(qwen35):
@@ -398,7 +341,7 @@ async def test_the_snapshot_at_a_tool_call_opener_is_kept_for_the_next_turn(qwen
 async def test_a_request_cancelled_mid_prefill_gives_its_state_slots_back(qwen35):
     """Cancelled at any point, a request's live slot, its filling snapshot and its resume lock go."""
     model, tok = qwen35
-    prompt = chat(tok, "A long prompt to cancel halfway through its prefill, please. " * 3)
+    prompt = prompt_ids(tok, "A long prompt to cancel halfway through its prefill, please. " * 3)
     runner = runner_for(model, max_batch_tokens=PAGE, step_delay_s=0.02)
     try:
         finished = asyncio.Event()
@@ -430,19 +373,21 @@ async def test_kv_pressure_evicts_leaves_with_their_snapshots_and_stays_exact(qw
     """A KV pool too small for every conversation: radix frees least-recent leaves, each with its
     snapshot (both pools conserved), and a request that lost its prefix recomputes it exactly."""
     model, tok = qwen35
-    prompts = [chat(tok, f"pressure conversation {i}, with enough words to fill pages.") for i in range(6)]
+    prompts = [
+        prompt_ids(tok, f"pressure conversation {i}, with enough words to fill pages.") for i in range(6)
+    ]
     runner = runner_for(model, kv_pages=14, state_slots=12)
     try:
         for i, prompt in enumerate(prompts):
-            await run_all(runner, {f"p{i}": (prompt, 8)})
+            await run_greedy(runner, {f"p{i}": (prompt, 8)})
             runner.check_integrity()
         ledger = hybrid_cache(runner).ledger
-        again = await run_all(runner, {"p0-again": (prompts[0], 8)})
+        again = await run_greedy(runner, {"p0-again": (prompts[0], 8)})
         runner.check_integrity()
     finally:
         runner.stop()
     assert ledger.evictions, "the pool was meant to overflow"
-    assert again["p0-again"].generated_tokens == reference(model, prompts[0], 8)
+    assert again["p0-again"].generated_tokens == greedy_reference(model, prompts[0], 8)
 
 
 async def test_concurrent_resumes_on_a_minimal_state_pool_neither_deadlock_nor_drift(qwen35):
@@ -450,16 +395,16 @@ async def test_concurrent_resumes_on_a_minimal_state_pool_neither_deadlock_nor_d
     slot at the match (or does not resume), so no request can wait on a slot a snapshot it locked
     holds; all four finish with the tokens of a cold run."""
     model, tok = qwen35
-    firsts = [chat(tok, f"conversation {i} about pages and slots") for i in range(4)]
+    firsts = [prompt_ids(tok, f"conversation {i} about pages and slots") for i in range(4)]
     runner = runner_for(model, state_slots=2)
     try:
         replies = {}
         for i, first in enumerate(firsts):
-            replies[i] = (await run_all(runner, {f"f{i}": (first, 6)}))[f"f{i}"].generated_tokens
-        follows = {f"g{i}": firsts[i] + replies[i] + chat(tok, "go on") for i in range(4)}
-        finals = await run_all(runner, {rid: (prompt, 6) for rid, prompt in follows.items()})
+            replies[i] = (await run_greedy(runner, {f"f{i}": (first, 6)}))[f"f{i}"].generated_tokens
+        follows = {f"g{i}": firsts[i] + replies[i] + prompt_ids(tok, "go on") for i in range(4)}
+        finals = await run_greedy(runner, {rid: (prompt, 6) for rid, prompt in follows.items()})
         runner.check_integrity()
     finally:
         runner.stop()
     for rid, prompt in follows.items():
-        assert finals[rid].generated_tokens == reference(model, prompt, 6)
+        assert finals[rid].generated_tokens == greedy_reference(model, prompt, 6)

@@ -12,9 +12,7 @@ import math
 
 import jsonschema
 import pytest
-import torch
 from test_cb_runner import EOS, greedy_reference, make_runner, prompt_ids, run_all
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moetray.engine.cb import GrammarCompiler, Sampling, json_item, needs_processors, sampling_kwargs
 from moetray.engine.cb.tool_grammar import constraint_lark
@@ -24,14 +22,6 @@ SCHEMA = {
     "properties": {"city": {"type": "string", "maxLength": 6}, "days": {"enum": [1, 2, 3]}},
     "required": ["city", "days"],
 }
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_moe):
-    path = tiny_moe("qwen3_moe", "per_expert")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    return model, tok
 
 
 @pytest.fixture(scope="module")

@@ -13,20 +13,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
-import torch
 from test_cb_runner import EOS, greedy_reference, make_runner, prompt_ids, run_all, wait_until
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moetray.engine.cb import Sampling, needs_processors, sampling_kwargs
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_moe):
-    path = tiny_moe("qwen3_moe", "per_expert")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    return model, tok
 
 
 def _kwargs(sampling: Sampling) -> dict:

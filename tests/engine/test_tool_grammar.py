@@ -13,6 +13,7 @@ import json
 import jsonschema
 import pytest
 import torch
+from example_tools import SCHEMAS, TIME, TIME_FUNCTION, WEATHER, WEATHER_FUNCTION
 from tiny_moe import make_tokenizer
 
 from moetray.engine.cb.grammar import GrammarCompiler, apply_token_bitmask, fill_token_bitmask
@@ -21,29 +22,6 @@ from moetray.policy.parser import ToolCallFormat, ToolCallParser
 from moetray.policy.tool_prompt import render_tool_calls
 
 EOS = 2
-WEATHER = {
-    "name": "get_weather",
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 6},
-            "days": {"type": "integer", "minimum": 1, "maximum": 9},
-            "unit": {"enum": ["c", "f"]},
-            "hourly": {"type": "boolean"},
-        },
-        "required": ["city", "days"],
-    },
-}
-TIME = {
-    "name": "get_time",
-    "parameters": {
-        "type": "object",
-        "properties": {"zone": {"type": "string", "maxLength": 5}},
-        "required": ["zone"],
-    },
-}
-SCHEMAS = {f["name"]: f["parameters"] for f in (WEATHER, TIME)}
-TOOLS = [{"type": "function", "function": f} for f in (WEATHER, TIME)]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +35,7 @@ def compiler(tok):
 
 
 def _calls_grammar(compiler, fmt, parallel=False):
-    rules = calls_lark(fmt, [WEATHER, TIME], lit=compiler.literal, parallel=parallel)
+    rules = calls_lark(fmt, [WEATHER_FUNCTION, TIME_FUNCTION], lit=compiler.literal, parallel=parallel)
     return compiler.compile(constraint_lark(body="calls", rules=rules, lit=compiler.literal))
 
 
@@ -85,7 +63,7 @@ def test_anything_drawn_under_the_mask_parses_to_a_schema_valid_call(tok, compil
                 break
             assert matcher.consume_token(token), matcher.get_error()
             out.append(token)
-        text, calls = ToolCallParser(fmt, TOOLS).parse_complete(tok.decode(out))
+        text, calls = ToolCallParser(fmt, [WEATHER, TIME]).parse_complete(tok.decode(out))
         assert len(calls) == 1 and not text.strip(), tok.decode(out)
         jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
 
@@ -98,7 +76,7 @@ def test_tool_choice_none_grammar_refuses_the_opener(tok, compiler):
 
 
 def test_a_reasoning_block_the_prompt_opened_is_let_finish_first(tok, compiler):
-    rules = calls_lark(ToolCallFormat.HERMES, [TIME], lit=compiler.literal, parallel=False)
+    rules = calls_lark(ToolCallFormat.HERMES, [TIME_FUNCTION], lit=compiler.literal, parallel=False)
     grammar = compiler.compile(
         constraint_lark(body="calls", rules=rules, reasoning_end="</think>", lit=compiler.literal)
     )
@@ -110,7 +88,7 @@ def test_a_reasoning_block_the_prompt_opened_is_let_finish_first(tok, compiler):
 
 
 def test_auto_without_parallel_calls_allows_text_then_at_most_one_call(tok, compiler):
-    body, rules = text_then_calls(ToolCallFormat.HERMES, [TIME], lit=compiler.literal)
+    body, rules = text_then_calls(ToolCallFormat.HERMES, [TIME_FUNCTION], lit=compiler.literal)
     grammar = compiler.compile(constraint_lark(body=body, rules=rules, lit=compiler.literal))
     call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
     for text in ("just text", f"let me check {call}"):
