@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -93,17 +94,20 @@ class Child:
         )
 
     def wait_ready(self, ready, timeout: float = 600.0) -> None:
+        """Waits for ``ready(/health)``; a child that fails to get there is stopped, never left behind."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited early; see {self.log}")
-            try:
-                if ready(httpx.get(f"{self.url}/health", timeout=2.0)):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log}")
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited early; see {self.log}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if ready(httpx.get(f"{self.url}/health", timeout=2.0)):
+                        return
+                time.sleep(0.2)
+            raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log}")
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         stop_process_group(self.proc)
