@@ -14,8 +14,8 @@ through HTTP exactly as a client's would. Measured in one run:
    how much of the follow-up's prompt is still cached after other traffic filled the pool;
 4. **HTTP round trip** — ``GET /v1/models`` on a kept-alive connection (no generation): the
    fixed per-request cost of the HTTP layer, which every request of (1) pays once;
-5. **re-split latency per byte moved** — ``POST /admin/cache/rebuild`` shifting the KV pool
-   by 64 MiB, 256 MiB and 1 GiB, and the expert pool between its floor and all experts;
+5. **re-split latency per byte moved** — ``POST /admin/cache/rebuild`` shifting the KV pool by
+   64 MiB, 256 MiB, 1 GiB, and the expert pool between its floor and all experts;
 6. **constrained decoding** — tok/s of ``json_schema`` and ``tool_choice="required"`` requests
    against the same prompts unconstrained, at concurrency 1 and 8 (``bench.constrained``).
 
