@@ -66,9 +66,8 @@ def ensure_bench_model(path: Path | None = None) -> Path:
     """A random Qwen3-MoE (4 layers, 16 experts, top-2, 4096 context) with a byte-level BPE and ChatML."""
     from transformers import Qwen3MoeConfig
 
-    return ensure_random_model(
-        path or bench_model_dir(), Qwen3MoeConfig, intermediate_size=512, norm_topk_prob=True
-    )
+    cfg = {"intermediate_size": 512, "norm_topk_prob": True}
+    return ensure_random_model(path or bench_model_dir(), Qwen3MoeConfig, **cfg)
 
 
 # --- child servers ----------------------------------------------------------------------------

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from moetray.policy import effort, footprint, maintenance, outbox, pool_budget, rebuild, turn
+from moetray.policy import effort, footprint, maintenance, outbox, pool_sizes, rebuild, turn
 from moetray.policy.rebuild import OUTCOME_REFUSAL_KINDS, Applied, Latched, RejectedIntact, RolledBack
 from moetray.policy.wire import REFUSALS
 
-CONTROL_PLANE = (maintenance, rebuild, pool_budget, outbox, footprint, effort, turn)
+CONTROL_PLANE = (maintenance, rebuild, pool_sizes, outbox, footprint, effort, turn)
 
 
 def exception_classes(module) -> list[type[BaseException]]:
