@@ -143,6 +143,16 @@ class StreamingChat(threading.Thread):
         finally:
             self.done.set()
 
+    def wait_ended(self, qtbot, timeout_ms: int, what: str = "the chat to end") -> None:
+        """Waits (Qt processing events) until the reply has ended; a timeout says how far it got."""
+        try:
+            qtbot.waitUntil(self.done.is_set, timeout=timeout_ms)
+        except qtbot.TimeoutError:
+            raise TimeoutError(
+                f"waited {timeout_ms} ms for {what}: {self.chunks} chunks read, "
+                f"finish_reason {self.finish_reason!r}, error {self.error!r}"
+            ) from None
+
 
 def run_async(qtbot, coro: Coroutine[Any, Any, Any], timeout_ms: int = 30000) -> Any:
     """Run ``coro`` on the attached qasync loop while Qt processes events; return its result.

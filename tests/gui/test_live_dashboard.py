@@ -71,7 +71,7 @@ def test_the_window_opens_attached_with_the_engines_model(window, dashboard_engi
 def test_heatmap_reflects_the_engines_residency_map(app, window, dashboard_engine, idle, qtbot):
     chat = StreamingChat(dashboard_engine, max_tokens=6, content="route some tokens")
     chat.start()
-    wait_qt(qtbot, chat.done.is_set, WAIT_MS, "the chat to end")
+    chat.wait_ended(qtbot, WAIT_MS)
     assert chat.error is None and chat.chunks > 0, (chat.error, dashboard_engine.log()[-2000:])
     wait_qt(qtbot, lambda: not dashboard_engine.request_ids(), WAIT_MS, "the engine to be idle")
     residency = dashboard_engine.status()["experts"]["residency"]  # stable while idle
@@ -100,7 +100,7 @@ def test_stop_on_a_row_cancels_that_request(app, window, dashboard_engine, idle,
     # The row goes once the engine stops listing it (the cancel's reply, not a later event).
     wait_qt(qtbot, lambda: rid not in window.requests.row_ids(), WAIT_MS, "the stopped request's row to go")
     assert rid not in dashboard_engine.request_ids()
-    wait_qt(qtbot, chat.done.is_set, WAIT_MS, "the stopped chat to end")
+    chat.wait_ended(qtbot, 3 * WAIT_MS, "the stopped chat to end")  # a loaded machine
     assert chat.finish_reason != "length" and chat.chunks < 400
 
 
@@ -114,7 +114,7 @@ def test_stop_all_cancels_every_request(app, window, dashboard_engine, idle, qtb
     wait_qt(qtbot, lambda: window.requests.row_ids() == [], WAIT_MS, "every row to go")
     assert dashboard_engine.request_ids() == []
     for chat in chats:
-        wait_qt(qtbot, chat.done.is_set, WAIT_MS, "a stopped chat to end")
+        chat.wait_ended(qtbot, 3 * WAIT_MS, "a stopped chat to end")
         assert chat.chunks < 400
 
 
@@ -171,7 +171,7 @@ def test_stop_them_and_apply_stops_the_running_request_and_applies(app, window, 
     assert outcome.outcome == "applied", outcome.text()
     assert view.outcome_text.startswith("Applied: ") and "waiting" in view.outcome_text
     assert outcome.waited_ms is not None and outcome.applied_ms is not None
-    qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
+    chat.wait_ended(qtbot, WAIT_MS)
     assert (chat.finish_reason, chat.stop_reason) == ("stop", "cancelled") and chat.chunks < 400
     after = dashboard_engine.status()["pools"]
     assert (after["moe_slots"], after["kv_pages"]) != (before["moe_slots"], before["kv_pages"])
@@ -195,7 +195,7 @@ def test_cancel_a_waiting_apply_changes_nothing_and_the_request_goes_on(app, win
 def test_the_history_table_shows_the_engines_finished_requests(app, window, dashboard_engine, idle, qtbot):
     chat = StreamingChat(dashboard_engine, max_tokens=5, content="for the history")
     chat.start()
-    qtbot.waitUntil(chat.done.is_set, timeout=WAIT_MS)
+    chat.wait_ended(qtbot, WAIT_MS)
     feed = dashboard_engine.get("request_history")["requests"]
     window.show_tab("Requests")
     table = window.requests.history_table
