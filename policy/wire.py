@@ -59,6 +59,15 @@ ROUTES: dict[str, Route] = {
 }
 
 
+PROMPT_PARAMS: dict[str, str] = {
+    ROUTES["chat_completions"].path: "messages",
+    ROUTES["completions"].path: "prompt",
+    ROUTES["responses"].path: "input",
+}
+"""The body field that holds the prompt, per generation route: the ``param`` of a refusal of the
+prompt itself (``context_length_exceeded``), as OpenAI names it."""
+
+
 def route_path(name: str, **params: str) -> str:
     """The concrete path of route ``name`` with its placeholders filled."""
     return ROUTES[name].path.format(**params)

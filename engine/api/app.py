@@ -37,7 +37,7 @@ from moetray.engine.api.errors import (
 )
 from moetray.engine.api.security import Credentials, HostPolicy
 from moetray.engine.core import Engine
-from moetray.policy.wire import DEFAULT_MAX_BODY_BYTES
+from moetray.policy.wire import DEFAULT_MAX_BODY_BYTES, PROMPT_PARAMS
 
 
 class SecurityMiddleware:
@@ -190,6 +190,8 @@ def build_app(
         return internal_error_response(exc)
 
     async def on_refusal(request: Request, exc: Exception):
+        if getattr(exc, "kind", None) == "context_length_exceeded" and getattr(exc, "param", None) is None:
+            setattr(exc, "param", PROMPT_PARAMS.get(request.url.path))  # OpenAI names the prompt's field  # noqa: B010
         return exception_response(exc)
 
     for cls in refusal_classes():

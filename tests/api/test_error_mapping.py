@@ -87,7 +87,7 @@ def test_openai_sdk_classes_from_the_status_and_the_string_code(live, keyed):
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as long:
         client.chat.completions.create(model="default", messages=_too_long(live), max_tokens=1)
-    assert long.value.code == "context_length_exceeded"
+    assert long.value.code == "context_length_exceeded" and long.value.param == "messages"
     assert long.value.body["type"] == "invalid_request_error" and long.value.body["retry"] == "never"
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4o", messages=ASK, max_tokens=1)

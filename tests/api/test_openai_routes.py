@@ -282,6 +282,7 @@ def test_prompt_over_the_context_is_refused_with_the_exact_wording(live):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["kind"] == "context_length_exceeded"
+    assert err["param"] == "prompt"  # the body field OpenAI names for the prompt
     assert err["message"] == f"prompt is too long: {limit + 3} tokens > {limit - 1} maximum"
 
 
