@@ -180,6 +180,7 @@ class ChatSupport:
     tokenizer: Any
     reasoning_format: ReasoningFormat | None
     tool_format: ToolCallFormat | None
+    grammars: GrammarCompiler  # constrained decoding and token bytes over this tokenizer
     end_of_turn: str | None = None
     turn_stops: tuple[str, ...] = ()  # end-of-turn text to stop on (multi-token markers)
     turn_stop_ids: tuple[int, ...] = ()  # end-of-turn marker that is one token: stop on the id
@@ -188,7 +189,6 @@ class ChatSupport:
     anchor_token: int | None = None
     special_ids: frozenset[int] = frozenset()
     template_renders_tools: bool = False  # the template has a tool section of its own
-    grammars: GrammarCompiler | None = None  # constrained decoding over this tokenizer
 
     @classmethod
     def probe(

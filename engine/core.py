@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -176,7 +176,7 @@ class Engine:
 
     # The request path after admission is the registry's (``requests.Requests``).
 
-    def stream(self, record: RequestRecord, *, every_step: bool = True) -> AsyncIterator[Step]:
+    def stream(self, record: RequestRecord, *, every_step: bool = True) -> AsyncGenerator[Step, None]:
         return self.requests.stream(record, every_step=every_step)
 
     def cancel(self, request_id: str, *, by: str = "admin") -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +101,7 @@ class Requests:
             self._records[rid] = record
         return record
 
-    async def stream(self, record: RequestRecord, *, every_step: bool = True) -> AsyncIterator[Step]:
+    async def stream(self, record: RequestRecord, *, every_step: bool = True) -> AsyncGenerator[Step, None]:
         """Run an admitted request; yields its new tokens step by step until it finishes.
 
         ``every_step=False`` is for a consumer that only needs the whole reply (a

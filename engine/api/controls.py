@@ -108,7 +108,10 @@ def forced_tokens(engine: Engine, body: GenerationFields | Any) -> tuple[int, ..
             "test hooks are disabled on this engine",
             param="moetray_test_forced_tokens",
         )
-    return tuple(tokens) if tokens is not None else tuple(engine.chat_support().encode(text))
+    if tokens is not None:
+        return tuple(tokens)
+    assert text is not None  # one of the two is set (the early return above)
+    return tuple(engine.chat_support().encode(text))
 
 
 def sampling_for(
@@ -116,7 +119,7 @@ def sampling_for(
 ) -> Sampling:
     """The request's sampling (one choice; :func:`for_choice` varies the seed per choice)."""
     chat = engine.chat_support()
-    vocab = chat.grammars.vocab_size if chat.grammars else len(chat.tokenizer)
+    vocab = chat.grammars.vocab_size
     return Sampling(
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -200,7 +203,7 @@ def _answer_item(response_format: Mapping[str, Any] | None) -> str | None:
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, Mapping) else None
-        if not isinstance(schema, Mapping):
+        if not isinstance(spec, Mapping) or not isinstance(schema, Mapping):
             raise ApiError(
                 "invalid_request_error",
                 "response_format json_schema needs {'json_schema': {'name', 'schema'}}",

@@ -24,12 +24,34 @@ from starlette.background import BackgroundTask
 from moetray.engine.api import controls
 from moetray.engine.api.errors import ApiError
 from moetray.engine.api.prompts import chat_prompt, text_prompt
-from moetray.engine.api.runs import ChoiceRun, chat_logprobs, completion_logprobs, run_choices, usage
+from moetray.engine.api.runs import (
+    ChoiceRun,
+    TokenBytes,
+    chat_logprobs,
+    completion_logprobs,
+    run_choices,
+    usage,
+)
 from moetray.engine.api.schemas import ChatRequest, CompletionRequest
 from moetray.engine.cb import Sampling
 from moetray.engine.core import Engine, RequestRecord
 
 # --- shared pieces ----------------------------------------------------------------------------
+
+
+def _one_prompt(prompt: str | list[int] | list[str]) -> str | list[int]:
+    """A completion's one prompt: its text or its token ids (a list of texts must hold one).
+
+    The schema keeps a list all ids or all texts, so the filters below only tell them apart.
+    """
+    if isinstance(prompt, str):
+        return prompt
+    texts = [p for p in prompt if isinstance(p, str)]
+    if texts:
+        if len(prompt) != 1:
+            raise ApiError("invalid_request_error", "one prompt per request", param="prompt")
+        return texts[0]
+    return [p for p in prompt if isinstance(p, int)]
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -88,7 +110,7 @@ class ChatStart:
 
     runs: list[ChoiceRun]
     records: list[RequestRecord]
-    token_bytes: Any  # GrammarCompiler.token_bytes
+    token_bytes: TokenBytes  # GrammarCompiler.token_bytes
 
 
 async def start_chat(
@@ -180,7 +202,9 @@ def build_router(engine: Engine) -> APIRouter:
     async def get_model(model: str) -> dict[str, Any]:
         card = _model_card(engine)
         if card is None:
-            engine.chat_support()  # refuses with the gate's state while loading
+            engine.chat_support()  # no model served yet: refuses with the gate's state
+            card = _model_card(engine)  # the load ended in between (a served model stays served)
+            assert card is not None
         controls.check_model(engine, model)
         return card
 
@@ -224,11 +248,7 @@ def build_router(engine: Engine) -> APIRouter:
         controls.check_model(engine, body.model)
         if body.echo:
             raise ApiError("invalid_request_error", "echo is not supported", param="echo")
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError("invalid_request_error", "one prompt per request", param="prompt")
-            prompt = prompt[0]
+        prompt = _one_prompt(body.prompt)
         if isinstance(prompt, str):
             prompt_ids = await text_prompt(engine, chat, prompt)
         else:
@@ -336,7 +356,7 @@ async def _chat_sse(start: ChatStart, head: dict[str, Any], include_usage: bool,
     async for piece in run_choices(start.runs):
         run, delta = runs[piece.index], piece.delta
         lp = chat_logprobs(piece.logprobs, start.token_bytes) if logprobs and piece.logprobs else None
-        out = []
+        out: list[dict[str, Any]] = []
         if delta.reasoning:
             out.append({"reasoning_content": delta.reasoning})
         if delta.content:

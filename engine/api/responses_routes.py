@@ -171,7 +171,8 @@ class _Output:
     def _text(self, kind: str, text: str) -> None:
         if not text:
             return
-        if self.open is None or self.open["type"] != kind:
+        item = self.open
+        if item is None or item["type"] != kind:
             prefix = "msg" if kind == "message" else "rs"
             item = {
                 "type": kind,
@@ -184,10 +185,10 @@ class _Output:
             else:
                 item["summary"] = []
             self._start(item)
-        self.open["content"][0]["text"] += text
+        item["content"][0]["text"] += text
         delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         self._emit(
-            delta, item_id=self.open["id"], output_index=len(self.items) - 1, content_index=0, delta=text
+            delta, item_id=item["id"], output_index=len(self.items) - 1, content_index=0, delta=text
         )
 
     def feed(self, delta) -> None:

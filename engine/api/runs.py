@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +62,7 @@ class ChoiceRun:
         self.logprobs: list[TokenLogprob] = []
         self.started = asyncio.Event()  # the prefill is over (first step) or the request ended
 
-    async def pieces(self) -> AsyncIterator[Piece]:
+    async def pieces(self) -> AsyncGenerator[Piece, None]:
         held: list[TokenLogprob] = []
         stream = self.engine.stream(self.record, every_step=self.every_step)
         try:
@@ -146,7 +146,7 @@ def _merge(a: ChatDelta, b: ChatDelta) -> ChatDelta:
     return ChatDelta(a.reasoning + b.reasoning, a.content + b.content, a.tool_events + b.tool_events)
 
 
-async def run_choices(runs: Sequence[ChoiceRun]) -> AsyncIterator[Piece]:
+async def run_choices(runs: Sequence[ChoiceRun]) -> AsyncGenerator[Piece, None]:
     """Every piece of every choice, interleaved as they come; the first choice prefills alone.
 
     Choices after the first start once the first one's prefill is done, so the prompt's

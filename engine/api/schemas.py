@@ -9,18 +9,26 @@ hidden from the public schema.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic.json_schema import SkipJsonSchema
 
-from moetray.engine.api.fields import whole_int
+from moetray.engine.api.fields import WHOLE_NUMBER
 from moetray.engine.budget import MAX_TOKENS_CEILING
 
 MAX_CHOICES = 8
 """Largest ``n``: choices share one prefill, but each decodes on its own."""
 MAX_TOP_LOGPROBS = 20
 """Largest ``top_logprobs`` (and completions' ``logprobs``), OpenAI's chat limit."""
+
+# The whole integer fields (see ``fields``: bounds before ``WHOLE_NUMBER``).
+TokenLimit = Annotated[int, Strict(), Field(ge=1, le=MAX_TOKENS_CEILING), WHOLE_NUMBER]
+"""``max_tokens`` and its Chat (``max_completion_tokens``) and Responses spellings."""
+Seed = Annotated[int, Strict(), Field(ge=-(1 << 63), le=(1 << 63) - 1), WHOLE_NUMBER]
+"""A signed 64-bit seed."""
+ChoiceCount = Annotated[int, Strict(), Field(ge=1, le=MAX_CHOICES), WHOLE_NUMBER]
+TopLogprobs = Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE_NUMBER]
 
 
 class StreamOptions(BaseModel):
@@ -59,12 +67,12 @@ class GenerationFields(BaseModel):
     model: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
+    max_tokens: TokenLimit | None = None
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: whole_int(-(1 << 63), (1 << 63) - 1) | None = None
+    seed: Seed | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    n: whole_int(1, MAX_CHOICES) = 1
+    n: ChoiceCount = 1
     presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, StrictFloat] | None = None
@@ -78,13 +86,13 @@ class GenerationFields(BaseModel):
 
 class ChatRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
+    max_completion_tokens: TokenLimit | None = None
     tools: list[Tool] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
     response_format: dict[str, Any] | None = None
     logprobs: StrictBool = False
-    top_logprobs: whole_int(0, MAX_TOP_LOGPROBS) | None = None
+    top_logprobs: TopLogprobs | None = None
     reasoning_effort: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -92,7 +100,7 @@ class ChatRequest(GenerationFields):
 class CompletionRequest(GenerationFields):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] = ""
     echo: StrictBool = False
-    logprobs: whole_int(0, MAX_TOP_LOGPROBS) | None = None
+    logprobs: TopLogprobs | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -102,7 +110,7 @@ class ResponsesRequest(BaseModel):
     model: StrictStr | None = None
     input: StrictStr | list[dict[str, Any]]
     instructions: StrictStr | None = None
-    max_output_tokens: whole_int(1, MAX_TOKENS_CEILING) | None = None
+    max_output_tokens: TokenLimit | None = None
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     tools: list[dict[str, Any]] | None = None

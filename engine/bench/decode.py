@@ -35,13 +35,16 @@ The receipt is ``bench/results/decode.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetray.engine import serve as _serve  # noqa: F401 - sets OMP_WAIT_POLICY before torch loads
 from moetray.engine.bench.targets import (
@@ -51,6 +54,9 @@ from moetray.engine.bench.targets import (
     llama_file,
     run_client,
 )
+
+if TYPE_CHECKING:
+    from moetray.engine.bench.breakdown import StepBreakdown
 
 GB = 1e9
 DEFAULT_FORMATS = "float32,bfloat16,int8"
@@ -108,28 +114,23 @@ def _decode_tok_s(reply: dict[str, Any]) -> float | None:
     return (reply["tokens"] - 1) / span if span > 0 else None
 
 
-def measure_round(target, label: str, *, batch: int, max_tokens: int, tag: str) -> dict[str, Any]:
+def measure_round(target: ServedEngine | dict[str, Any], label: str, *, batch: int, max_tokens: int,
+                  tag: str) -> dict[str, Any]:
     """One client round against ``target`` (a :class:`ServedEngine` or a peer), with the engine's
     own counters read around it when ``target`` is an engine."""
     import psutil
 
-    from moetray.engine.bench.breakdown import thread_cpu_seconds
-
-    engine = isinstance(target, ServedEngine)
-    url, model = (target.url, target.model_id()) if engine else (target["url"], target["model"])
-    server = target.get("server") if not engine else None
-    proc = psutil.Process() if engine else (psutil.Process(server.proc.pid) if server is not None else None)
-    bd = target.breakdown if engine else None
-    routed0 = None
+    if isinstance(target, ServedEngine):
+        url, model, extra, server = target.url, target.model_id(), None, None
+        proc = psutil.Process()
+    else:
+        url, model, extra, server = target["url"], target["model"], target.get("extra"), target.get("server")
+        proc = psutil.Process(server.proc.pid) if server is not None else None
     cpu0 = proc.cpu_times() if proc is not None else None
-    if engine:
-        bd.reset()
-        routed0 = bd_routed(target)
-        gen0 = thread_cpu_seconds(bd.generation_thread) if bd.generation_thread else None
-        loop0 = thread_cpu_seconds(target.loop_thread) if target.loop_thread else None
+    counters = _EngineCounters.start(target) if isinstance(target, ServedEngine) else None
     t0 = time.perf_counter()
     client = run_client(url, model, concurrency=batch, max_tokens=max_tokens, tag=tag,
-                        extra=None if engine else target.get("extra"), warm_up=False)
+                        extra=extra, warm_up=False)
     cpu1 = proc.cpu_times() if proc is not None else None
     wall = client["wall_s"]  # the requests' window (the client's own start-up excluded)
     replies = client["requests"]
@@ -141,18 +142,52 @@ def measure_round(target, label: str, *, batch: int, max_tokens: int, tag: str) 
         "ttft_ms": statistics.median(x["ttft_s"] for x in replies if x["ttft_s"] is not None) * 1e3,
         "round_wall_s": time.perf_counter() - t0,
     }
-    if cpu0 is not None:
+    if cpu0 is not None and cpu1 is not None:
         busy_s = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
         row["threads_busy"] = busy_s / wall
         row["server_cpu_ms_per_token"] = busy_s / max(1, client["tokens"]) * 1e3
     if server is not None:
         row["rss_bytes"] = server.rss_bytes()
-    if engine:
+    if counters is not None:
+        row.update(counters.since(wall))
+    return row
+
+
+@dataclass(frozen=True)
+class _EngineCounters:
+    """A served engine's own counters at the start of a round: its step breakdown (reset then),
+    experts routed, and the generation and event-loop threads' CPU seconds."""
+
+    served: ServedEngine
+    breakdown: StepBreakdown
+    routed: int
+    gen_cpu_s: float | None
+    loop_cpu_s: float | None
+
+    @classmethod
+    def start(cls, served: ServedEngine) -> _EngineCounters:
+        from moetray.engine.bench.breakdown import thread_cpu_seconds
+
+        bd = served.breakdown
+        if bd is None:
+            raise RuntimeError(f"{served.format} engine: install_breakdown() before measuring a round")
+        bd.reset()
+        return cls(
+            served, bd, bd_routed(served),
+            thread_cpu_seconds(bd.generation_thread) if bd.generation_thread else None,
+            thread_cpu_seconds(served.loop_thread) if served.loop_thread else None,
+        )
+
+    def since(self, wall: float) -> dict[str, Any]:
+        """The round's engine columns, ``wall`` seconds after :meth:`start`."""
+        from moetray.engine.bench.breakdown import thread_cpu_seconds
+
+        bd, gen0, loop0 = self.breakdown, self.gen_cpu_s, self.loop_cpu_s
         totals = bd.totals()
         gen1 = thread_cpu_seconds(bd.generation_thread) if bd.generation_thread else None
-        loop1 = thread_cpu_seconds(target.loop_thread) if target.loop_thread else None
+        loop1 = thread_cpu_seconds(self.served.loop_thread) if self.served.loop_thread else None
         steps = totals.decode_steps
-        row.update({
+        return {
             "generation_thread_busy": None if gen0 is None or gen1 is None else (gen1 - gen0) / wall,
             "loop_thread_busy": None if loop0 is None or loop1 is None else (loop1 - loop0) / wall,
             "decode_steps": steps, "prefill_steps": totals.prefill_steps,
@@ -161,14 +196,14 @@ def measure_round(target, label: str, *, batch: int, max_tokens: int, tag: str) 
             "step_ms": totals.per_step_ms(),
             "http_sse_detok_ms_per_step": (None if loop0 is None or loop1 is None or not steps
                                            else (loop1 - loop0) / (steps + totals.prefill_steps) * 1e3),
-            "routed_experts_per_decode_step": (bd_routed(target) - routed0) / steps if steps else None,
-        })
-    return row
+            "routed_experts_per_decode_step": ((bd_routed(self.served) - self.routed) / steps
+                                               if steps else None),
+        }
 
 
 def bd_routed(target: ServedEngine) -> int:
     """Distinct experts routed so far in decode and prefill steps alike (hits + misses)."""
-    stats = target.engine.served.loaded.runtime.cache.per_layer_stats()
+    stats = target.served_model().loaded.runtime.cache.per_layer_stats()
     return sum(s.hits + s.misses for s in stats)
 
 
@@ -234,9 +269,11 @@ def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512, 
     del reference
     report: dict[str, Any] = {"heldout_tokens": len(ids), "chat_prompts": len(CHAT_PROMPTS),
                               "chat_tokens": chat_tokens, "formats": {}}
-    candidates = {fmt: (lambda fmt=fmt: load(fmt)) for fmt in formats if fmt != "float32"}
+    candidates: dict[str, Callable[[], Any]] = {
+        fmt: functools.partial(load, fmt) for fmt in formats if fmt != "float32"
+    }
     if q8_file is not None:
-        candidates[Q8_FILE] = lambda: load_file(q8_file)
+        candidates[Q8_FILE] = functools.partial(load_file, q8_file)
     for fmt, make in candidates.items():
         model = make()
         got, answers = logits(model), greedy(model)
@@ -340,7 +377,7 @@ def main(argv: list[str]) -> int:
                                   max_requests=max(batches))
             served.wait_serving()
             engines[Q8_FILE] = served
-        eos = next(iter(engines.values())).engine.served.eos_ids
+        eos = next(iter(engines.values())).served_model().eos_ids
         peers += [server.as_target(eos) for server in llamas]
         targets: list[tuple[str, Any]] = [*engines.items(), *((p["label"], p) for p in peers)]
         for peer in peers:  # warm-up
@@ -360,9 +397,9 @@ def main(argv: list[str]) -> int:
                     rows.append(row)
                     _progress(f"batch {batch} round {rnd} {label}: {row['request_decode_tok_s'] or 0:.1f} "
                               f"tok/s per request, {row['aggregate_tok_s']:.1f} aggregate")
-        dense = {label: dense_bytes_per_step(s.engine.served.loaded.model) for label, s in engines.items()}
-        expert_bytes = {label: s.engine.served.loaded.runtime.bytes_per_slot for label, s in engines.items()}
-        dtypes = {label: s.engine.model_info()["dtype"] for label, s in engines.items()}
+        dense = {label: dense_bytes_per_step(s.served_model().loaded.model) for label, s in engines.items()}
+        expert_bytes = {label: s.served_model().loaded.runtime.bytes_per_slot for label, s in engines.items()}
+        dtypes = {label: s.model_info()["dtype"] for label, s in engines.items()}
     finally:
         for served in engines.values():
             served.stop()
@@ -419,8 +456,8 @@ def summarize(rows: list[dict[str, Any]], *, targets: list[str], batches: list[i
 
             def med(key: str, sub: str | None = None, rows_=mine):
                 values = [(r.get(key) or {}).get(sub) if sub else r.get(key) for r in rows_]
-                values = [v for v in values if v is not None]
-                return statistics.median(values) if values else None
+                present = [v for v in values if v is not None]
+                return statistics.median(present) if present else None
 
             entry: dict[str, Any] = {
                 "label": label, "batch": batch,

@@ -11,7 +11,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moetray.engine.bench.breakdown import StepBreakdown
+    from moetray.engine.load import ServedModel
 
 
 def _progress(msg: str) -> None:
@@ -51,7 +55,7 @@ class ServedEngine:
 
         self.thread = threading.Thread(target=serve, name=f"bench-http-{fmt}", daemon=True)
         self.thread.start()
-        self.breakdown = None
+        self.breakdown: StepBreakdown | None = None  # install_breakdown() sets it
 
     def wait_serving(self, timeout: float = 900.0) -> None:
         import httpx
@@ -69,14 +73,31 @@ class ServedEngine:
             time.sleep(0.2)
         else:
             raise TimeoutError(f"{self.format} engine not serving after {timeout:.0f}s")
-        runtime = self.engine.served.loaded.runtime
+        runtime = self.served_model().loaded.runtime
         every = runtime.num_layers * runtime.num_experts
         if runtime.capacity < every:
-            with self.engine.pools.runner.paused():
+            runner = self.engine.pools.runner if self.engine.pools is not None else None
+            if runner is None:
+                raise RuntimeError(f"{self.format} engine serves without a batch runner")
+            with runner.paused():
                 runtime.resize(every)
 
+    def served_model(self) -> ServedModel:
+        """The model the engine serves (loaded once :meth:`wait_serving` has returned)."""
+        served = self.engine.served
+        if served is None:
+            raise RuntimeError(f"{self.format} engine has not loaded its model")
+        return served
+
     def model_id(self) -> str:
-        return self.engine.model_id()
+        return self.served_model().model_id
+
+    def model_info(self) -> dict[str, Any]:
+        """``policy.wire.ModelInfo`` of the served model."""
+        info = self.engine.model_info()
+        if info is None:
+            raise RuntimeError(f"{self.format} engine has not loaded its model")
+        return info
 
     def install_breakdown(self):
         from moetray.engine.bench.breakdown import StepBreakdown

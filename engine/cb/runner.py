@@ -106,6 +106,13 @@ def _router(manager: ContinuousBatchingManager) -> _TappingRouter:
     return router
 
 
+def _processors(manager: ContinuousBatchingManager) -> SamplingProcessors:
+    """The manager's logits processors: the runner installs ``SamplingProcessors`` at start."""
+    plist = manager.logit_processor
+    assert isinstance(plist, SamplingProcessors), type(plist).__name__
+    return plist
+
+
 class _TappingRouter(OutputRouter):
     """The substrate's output router, plus taps that keep intermediate outputs off the event loop.
 
@@ -295,7 +302,7 @@ class BatchRunner:
             on_output(output)
 
         self._handlers[request_id] = on_output
-        manager.logit_processor.register(request_id, sampling, len(input_ids))
+        _processors(manager).register(request_id, sampling, len(input_ids))
         manager.register_result_handler(request_id, deliver)
         if on_progress is not None:
             router = _router(manager)
@@ -311,7 +318,7 @@ class BatchRunner:
         )
         if added is None:
             self._drop_handler(request_id)
-            manager.logit_processor.release(request_id)
+            _processors(manager).release(request_id)
             raise RuntimeError("the generation loop is not accepting requests")
 
     def cancel(self, request_id: str) -> bool:
@@ -355,8 +362,7 @@ class BatchRunner:
         manager = self.manager
         if manager is None:
             return None
-        plist = manager.logit_processor
-        assert isinstance(plist, SamplingProcessors), "the runner installs its processors at start"
+        plist = _processors(manager)
         return plist.steps_processed, plist.steps_skipped
 
     def cached_tokens(self, request_id: str) -> int:
@@ -366,18 +372,18 @@ class BatchRunner:
     def logprobs(self, request_id: str) -> list[TokenLogprob] | None:
         """The log-probabilities taken so far, one per generated token; None when not asked for."""
         manager = self.manager
-        return None if manager is None else manager.logit_processor.logprobs(request_id)
+        return None if manager is None else _processors(manager).logprobs(request_id)
 
     def masks_computed(self) -> int | None:
         """Grammar masks computed since start (one per constrained row per step); None when stopped."""
         manager = self.manager
-        return None if manager is None else manager.logit_processor.masks_computed
+        return None if manager is None else _processors(manager).masks_computed
 
     def forget(self, request_id: str) -> None:
         """The reply is over: drop what was kept for it (prefix accounting, sampling-stage state)."""
         self._cached_tokens.pop(request_id, None)
         if self.manager is not None:
-            self.manager.logit_processor.release(request_id)
+            _processors(self.manager).release(request_id)
 
     def _require(self) -> ContinuousBatchingManager:
         if self.manager is None or not self.manager.is_running():

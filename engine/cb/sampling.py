@@ -151,6 +151,12 @@ class _Step:
         self.mask: torch.Tensor | None = None
         self.logprob_rows: list[int] = []
 
+    def of(self, row: int) -> RequestStages:
+        """The stages of ``row``; the row lists above name only rows that have some."""
+        stages = self.stages[row]
+        assert stages is not None, row
+        return stages
+
 
 class _Stage(ContinuousBatchingLogitsProcessor):
     """A stage that reads this step's per-row state instead of a tensor argument."""
@@ -176,7 +182,7 @@ class _PenaltyStage(_Stage):
             return scores
         scores = scores.clone()
         for i in rows:
-            stages = self.step.stages[i]
+            stages = self.step.of(i)
             s = stages.sampling
             if stages.counts and (s.presence_penalty or s.frequency_penalty):
                 ids = torch.tensor(list(stages.counts.keys()), dtype=torch.long, device=scores.device)
@@ -204,8 +210,10 @@ class _GrammarStage(_Stage):
         rows = self.step.constrained
         if not rows:
             return scores
+        mask = self.step.mask
+        assert mask is not None  # filled whenever a row is constrained
         index = torch.tensor(rows, dtype=torch.long, device=scores.device)
-        masked = apply_token_bitmask(scores.index_select(0, index), self.step.mask)
+        masked = apply_token_bitmask(scores.index_select(0, index), mask)
         return scores.index_copy(0, index, masked)
 
 
@@ -320,15 +328,15 @@ class _DrawProcessor(ContinuousBatchingLogitsProcessor):
         logp = torch.log_softmax(scores.index_select(0, index).float(), dim=-1)
         chosen = logp.gather(-1, choice.index_select(0, index).unsqueeze(-1)).squeeze(-1).tolist()
         tokens = choice.index_select(0, index).tolist()
-        k_max = max(self.step.stages[i].sampling.logprobs for i in rows)
-        top_vals, top_ids = (logp.topk(k_max, dim=-1) if k_max else (logp[:, :0], logp[:, :0].long()))
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        ks = [self.step.of(i).sampling.logprobs or 0 for i in rows]  # set on every logprob row
+        k_max = max(ks)
+        top_logp, top_tokens = (logp.topk(k_max, dim=-1) if k_max else (logp[:, :0], logp[:, :0].long()))
+        top_vals, top_ids = top_logp.tolist(), top_tokens.tolist()
         for j, i in enumerate(rows):
-            stages = self.step.stages[i]
-            k = stages.sampling.logprobs
+            k = ks[j]
             top = tuple((t, _finite(v)) for t, v in zip(top_ids[j][:k], top_vals[j][:k], strict=True)
                         if v != float("-inf"))
-            stages.logprobs.append(TokenLogprob(tokens[j], _finite(chosen[j]), top))
+            self.step.of(i).logprobs.append(TokenLogprob(tokens[j], _finite(chosen[j]), top))
 
 
 def _finite(value: float) -> float:
@@ -472,6 +480,7 @@ class SamplingProcessors(ContinuousBatchingLogitsProcessorList):
             if stages.matcher is not None and not stages.matcher.is_error():
                 step.constrained.append(i)
                 matchers.append(stages.matcher)
+                assert s.grammar is not None  # a matcher is made only from a grammar
                 n_vocab = s.grammar.n_vocab
             if s.logprobs is not None:
                 step.logprob_rows.append(i)

@@ -93,24 +93,30 @@ def _xml_call(
 ) -> list[str]:
     """Rules for one XML-style call of ``name`` after its opener (qwen3_coder or glm45)."""
     m = TOOL_CALL_MARKERS[fmt]
+    param_open, param_name_end, param_close = m.param_open, m.param_name_end, m.param_close
+    name_end, closer = m.name_end, m.closer
+    assert param_open and param_name_end and param_close and name_end and closer, fmt
     required = set(params.get("required") or ())
-    rules, items = [], []
+    rules: list[str] = []
+    items: list[str] = []
     for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
-        head = f'{lit(m.param_open)} {json.dumps(key)} {lit(m.param_name_end)} "\\n"'
+        head = f'{lit(param_open)} {json.dumps(key)} {lit(param_name_end)} "\\n"'
         if fmt is ToolCallFormat.QWEN3_CODER:
-            value, value_rules = _value(f"{rule}_v{j}", schema or {}, "\n" + m.param_close, lit)
+            value, value_rules = _value(f"{rule}_v{j}", schema or {}, "\n" + param_close, lit)
             item = f'{head} {value} "\\n"'
         else:
-            value, value_rules = _value(f"{rule}_v{j}", schema or {}, m.param_close, lit)
+            assert m.value_open is not None, fmt
+            value, value_rules = _value(f"{rule}_v{j}", schema or {}, param_close, lit)
             item = f'{head} {lit(m.value_open)} {value} "\\n"'
         rules += value_rules
         items.append(f"({item})" if key in required else f"({item})?")
     body = " ".join(items)
     if fmt is ToolCallFormat.QWEN3_CODER:
-        call = (f'"\\n" {lit(m.function_open)} {json.dumps(name)} {lit(m.name_end)} "\\n" '
-                f'{body} {lit(m.function_close)} "\\n" {lit(m.closer)}')
+        assert m.function_open is not None and m.function_close is not None, fmt
+        call = (f'"\\n" {lit(m.function_open)} {json.dumps(name)} {lit(name_end)} "\\n" '
+                f'{body} {lit(m.function_close)} "\\n" {lit(closer)}')
     else:
-        call = f'{json.dumps(name)} {lit(m.name_end)} {body} {lit(m.closer)}'
+        call = f'{json.dumps(name)} {lit(name_end)} {body} {lit(closer)}'
     return [f"{rule}: {call}", *rules]
 
 
@@ -138,6 +144,7 @@ def calls_lark(
         if m.grammar in ("xml_function", "xml_arg_pairs"):
             rules += _xml_call(fmt, name, params, lit, rule)
         elif m.grammar == "json_block":
+            assert m.closer is not None, fmt
             args = _json_call(name, params, "arguments", strict)
             rules.append(f'{rule}: "\\n" {args} "\\n" {lit(m.closer)}')
         elif m.grammar == "json_sequence":
