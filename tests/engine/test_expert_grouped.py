@@ -110,7 +110,7 @@ def test_a_batched_step_shares_its_small_groups_over_the_threads(tiny_moe, monke
     assert helper and len(helper) < len(threads)  # shared, not handed off whole
     # Each helper's GEMMs run on one intra-op thread (no OpenMP team per helper fighting for
     # the cores); the caller keeps its budget.
-    assert [b for name, b in zip(threads, budgets) if name in helper] == [1] * len(helper)
+    assert [b for name, b in zip(threads, budgets, strict=True) if name in helper] == [1] * len(helper)
     assert torch.get_num_threads() == 2
 
     threads.clear()
