@@ -114,20 +114,21 @@ def test_the_file_holds_the_converters_transforms(files, source_model):
 def test_the_hybrid_batching_path_serves_the_file_at_a_quarter_capacity(files):
     """Continuous batching with the state pool over the GGUF-loaded model, a quarter of its experts
     resident, four requests at once: each equals transformers' generate on its own load of the file."""
-    from tests.engine.test_hybrid_cb import reference, run_all, runner_for
+    from tests.engine.test_cb_runner import greedy_reference
+    from tests.engine.test_hybrid_cb import run_greedy, runner_for
 
     _, om = _offloaded(files["Q8_0"], 0.25)
     reference_model = _transformers_load(files["Q8_0"])
     prompts = [[5 + i, 17, 33, 99, 120, 7, 42, 250, 3 * i + 11] for i in range(4)]
     runner = runner_for(om.model)
     try:
-        finals = asyncio.run(run_all(runner, {f"q{i}": (p, 8) for i, p in enumerate(prompts)}))
+        finals = asyncio.run(run_greedy(runner, {f"q{i}": (p, 8) for i, p in enumerate(prompts)}))
         runner.check_integrity()
     finally:
         runner.stop()
     assert om.runtime.cache.stats().misses > om.runtime.capacity
     assert [finals[f"q{i}"].generated_tokens for i in range(4)] == [
-        reference(reference_model, p, 8) for p in prompts
+        greedy_reference(reference_model, p, 8) for p in prompts
     ]
 
 
