@@ -48,10 +48,14 @@ def operands(views: dict[str, torch.Tensor], geo: ExpertGeometry) -> Operands:
 
 
 PARALLEL_MAX_ROWS = 4
-"""Groups of at most this many rows are matrix-vector-like: the BLAS runs each on one thread,
-bound by reading the expert's weights. A batched step has many such groups (decode of several
-requests: one or two rows per routed expert), so the runtime shares them out over the torch
-thread budget itself: each group is still one ``mm`` on one thread, so the values are the same."""
+"""Groups of at most this many rows are matrix-vector-like, bound by reading the expert's
+weights. A batched step has many such groups (decode of several requests: one or two rows per
+routed expert), so the runtime shares them out over the torch thread budget itself, on helper
+threads pinned to one intra-op thread each: left at the budget, each helper's ``mm`` opens its
+own OpenMP team (MKL from 2 rows, oneDNN's bfloat16 from 1), so 2 helpers × 2 threads fight
+over 2 cores (measured on 2 busy cores, the demo's 30 layers of 12-of-16 experts: a step's
+expert GEMMs took 0.5-0.7× the time pinned at batch 4, fp32 and bfloat16, and bfloat16 at
+batch 1; fp32 at batch 1, whose ``mm`` MKL already runs on one thread, within noise)."""
 PARALLEL_MIN_GROUPS = 4
 """Fewer small groups than this are run on the calling thread (a hand-off costs ~10-30 µs)."""
 
@@ -60,23 +64,31 @@ _workers_lock = threading.Lock()
 
 
 def _gemm_workers() -> ThreadPoolExecutor:
-    """The process's helper threads for :func:`project` (made on first use, daemon-like: idle
-    threads hold nothing and end with the interpreter)."""
+    """The process's helper threads for :func:`project`, each pinned to one intra-op thread
+    (made on first use, daemon-like: idle threads hold nothing and end with the interpreter)."""
     global _workers
     with _workers_lock:
         if _workers is None:
-            _workers = ThreadPoolExecutor(max_workers=max(1, min(7, (os.cpu_count() or 2) - 1)),
-                                          thread_name_prefix="moetray-gemm")
+            _workers = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 2)),
+                                          thread_name_prefix="moetray-gemm", initializer=_one_thread)
         return _workers
+
+
+def _one_thread() -> None:
+    """A helper's GEMMs run on the helper alone: OpenMP's and MKL's thread counts are per
+    calling thread, so the caller's budget stays as it was (torch also records 1 as the count
+    later-started ATen pool threads begin with; the engine starts none)."""
+    torch.set_num_threads(1)
 
 
 def project(out: torch.Tensor, src: torch.Tensor, items: list[Group]) -> None:
     """One projection of the grouped path: ``out[lo:hi] = src[lo:hi] @ w (+ b)`` for every
     ``(lo, hi, w, b)`` in ``items`` (disjoint row ranges, so any order gives the same tensor).
 
-    Small groups (≤ :data:`PARALLEL_MAX_ROWS` rows) are shared out round-robin over the torch
-    thread budget when there are at least :data:`PARALLEL_MIN_GROUPS` of them and gradients
-    are off; the rest run here. Mutates ``out`` only.
+    Small groups (≤ :data:`PARALLEL_MAX_ROWS` rows) are shared out round-robin over as many
+    one-thread helpers as the torch thread budget when there are at least
+    :data:`PARALLEL_MIN_GROUPS` of them and gradients are off; the rest run here, at the full
+    budget, meanwhile. Mutates ``out`` only.
     """
     threads = torch.get_num_threads()
     small = ([item for item in items if item[1] - item[0] <= PARALLEL_MAX_ROWS]
@@ -88,11 +100,10 @@ def project(out: torch.Tensor, src: torch.Tensor, items: list[Group]) -> None:
             gemm(out, lo, hi, src, w, b)
         return
     workers = _gemm_workers()
-    parts = min(threads, len(small) // 2, workers._max_workers + 1)  # noqa: SLF001 - our own pool
-    futures = [workers.submit(_gemm_many, out, src, small[i::parts]) for i in range(1, parts)]
+    parts = min(threads, len(small) // 2, workers._max_workers)  # noqa: SLF001 - our own pool
+    futures = [workers.submit(_gemm_many, out, src, small[i::parts]) for i in range(parts)]
     try:
         _gemm_many(out, src, [item for item in items if item[1] - item[0] > PARALLEL_MAX_ROWS])
-        _gemm_many(out, src, small[0::parts])
     finally:
         for future in futures:
             future.result()

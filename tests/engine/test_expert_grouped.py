@@ -85,15 +85,19 @@ def _batched_call(checkpoint, tokens: int, *, seed: int = 0):
 def test_a_batched_step_shares_its_small_groups_over_the_threads(tiny_moe, monkeypatch):
     """With two torch threads, a decode step of several requests (each routed expert one or
     two rows: bandwidth-bound GEMMs the BLAS runs on one thread) has part of its groups run
-    on the runtime's helper thread, and the output stays bit-identical to stock grouped_mm.
-    Prevents: the share-out silently never happening, or two threads writing overlapping rows."""
+    on the runtime's helper threads, each at one intra-op thread, and the output stays
+    bit-identical to stock grouped_mm. Prevents: the share-out silently never happening, two
+    threads writing overlapping rows, or helpers' GEMMs contending with OpenMP teams."""
     om, mine, args, _ = _batched_call(tiny_moe("qwen3_moe", "per_expert"), tokens=8)
     stock = expert_modules(resident(tiny_moe("qwen3_moe", "per_expert"), "grouped_mm"))[0][1]
     threads: list[str] = []
     real = grouped_module._gemm_many
 
+    budgets: list[int] = []
+
     def spy(out, src, items):
         threads.append(threading.current_thread().name)
+        budgets.append(torch.get_num_threads())
         return real(out, src, items)
 
     monkeypatch.setattr(grouped_module, "_gemm_many", spy)
@@ -104,6 +108,10 @@ def test_a_batched_step_shares_its_small_groups_over_the_threads(tiny_moe, monke
     assert torch.equal(got, want)
     helper = [name for name in threads if name.startswith("moetray-gemm")]
     assert helper and len(helper) < len(threads)  # shared, not handed off whole
+    # Each helper's GEMMs run on one intra-op thread (no OpenMP team per helper fighting for
+    # the cores); the caller keeps its budget.
+    assert [b for name, b in zip(threads, budgets, strict=True) if name in helper] == [1] * len(helper)
+    assert torch.get_num_threads() == 2
 
     threads.clear()
     torch.set_num_threads(1)
