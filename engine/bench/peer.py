@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moetray.engine.bench.results import write_receipt
+from moetray.engine.bench.serve import Child, engine_serving
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
@@ -165,23 +165,11 @@ def _run_moetray(model: Path, args) -> dict[str, Any]:
     ]
     if args.moe_capacity:
         cmd += ["--moe-capacity", args.moe_capacity]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / "moetray.log"
+    child = Child("moetray serve", cmd, port, env, log)
+    url = child.url
     try:
-        deadline = time.monotonic() + args.timeout
-        state = None
-        while time.monotonic() < deadline and state not in ("serving", "failed"):
-            try:
-                state = httpx.get(f"{url}/health", timeout=2).json()["state"]
-            except httpx.HTTPError:
-                if proc.poll() is not None:
-                    err = proc.stderr.read() if proc.stderr is not None else ""
-                    raise RuntimeError(f"moetray serve exited: {err[-2000:]}") from None
-            time.sleep(0.2)
-        if state != "serving":
-            raise RuntimeError(f"moetray serve never served {model} (state {state})")
+        child.wait_ready(engine_serving, args.timeout)
         out: dict[str, Any] = {}
         _stream_one(url, PROMPTS[0], args.tokens)  # warm-up
         for conc in args.concurrency:
@@ -196,17 +184,13 @@ def _run_moetray(model: Path, args) -> dict[str, Any]:
             for t in threads:
                 t.join()
             out[str(conc)] = {"requests": results, "wall_s": time.perf_counter() - start}
-        out["rss"] = psutil.Process(proc.pid).memory_info().rss
+        out["rss"] = psutil.Process(child.proc.pid).memory_info().rss
         status = httpx.get(f"{url}/admin/status", headers={"Authorization": "Bearer bench-peer"}).json()
         out["expert_store_format"] = status["experts"]["expert_store_format"]
         out["moe_slots"] = status["pools"]["moe_slots"]
         return out
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        child.stop()
 
 
 def main(argv: list[str]) -> int:

@@ -92,15 +92,15 @@ class Child:
             cmd, env=env, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True
         )
 
-    def wait_ready(self, ready, timeout: float = 600.0) -> None:
-        """Waits for ``ready(/health)``; a child that fails to get there is stopped, never left behind."""
+    def wait_ready(self, ready, timeout: float = 600.0, path: str = "/health") -> None:
+        """Waits for ``ready(GET path)``; a child that fails to get there is stopped, never left behind."""
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"{self.name} exited early; see {self.log}")
                 with contextlib.suppress(httpx.HTTPError):
-                    if ready(httpx.get(f"{self.url}/health", timeout=2.0)):
+                    if ready(httpx.get(f"{self.url}{path}", timeout=2.0)):
                         return
                 time.sleep(0.2)
             raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log}")
@@ -178,15 +178,15 @@ def start_moetray(
         "warning",
     ]
     child = Child(f"moetray[{prefix}]", cmd, port, _env(threads), logdir / f"moetray-{prefix}.log")
-
-    def ready(r: httpx.Response) -> bool:
-        state = r.json().get("state")
-        if state == "failed":
-            raise RuntimeError(f"moetray failed to load: {r.text}")
-        return state == "serving"
-
-    child.wait_ready(ready)
+    child.wait_ready(engine_serving)
     return child
+
+
+def engine_serving(r: httpx.Response) -> bool:
+    """Whether a moetray engine's ``/health`` says it serves; a failed load raises its reason."""
+    if (state := r.json().get("state")) == "failed":
+        raise RuntimeError(f"moetray failed to load: {r.text}")
+    return state == "serving"
 
 
 def start_small_moetray(args: Any, name: str) -> tuple[Child, Path, Path]:

@@ -119,18 +119,17 @@ class LlamaServer:
     decodes one sequence at a time, so concurrent requests queue behind one another."""
 
     def __init__(self, label: str, gguf: Path, *, threads: int, ctx: int = 4096) -> None:
-        from moetray.engine.bench.serve import free_port
+        from moetray.engine.bench.serve import Child, free_port
 
         port = free_port()
-        self.label, self.url, self.model = label, f"http://127.0.0.1:{port}", label
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", label,
                "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
                "--host", "127.0.0.1", "--port", str(port), "--verbose", "False",
                "--interrupt_requests", "False"]  # queue concurrent requests (its default drops the older)
-        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"moetray-bench-llama-{port}.log"
-        self._fh = open(self.log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"moetray-bench-llama-{port}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.child = Child(f"llama.cpp[{label}]", cmd, port, env, log)
+        self.label, self.url, self.model, self.proc = label, self.child.url, label, self.child.proc
 
     def as_target(self, eos_ids: tuple[int, ...]) -> dict[str, Any]:
         """The round's target: llama.cpp's server has no ``ignore_eos``; a -100 bias on the end
@@ -139,19 +138,7 @@ class LlamaServer:
                 "extra": {"ignore_eos": None, "logit_bias": {str(t): -100.0 for t in eos_ids}}}
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama.cpp server exited ({self.proc.returncode}); see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"llama.cpp server not ready after {timeout:.0f}s; see {self.log}")
+        self.child.wait_ready(lambda r: r.status_code == 200, timeout, path="/v1/models")
 
     def rss_bytes(self) -> int | None:
         import psutil
@@ -162,10 +149,7 @@ class LlamaServer:
             return None
 
     def stop(self) -> None:
-        from moetray.engine.bench.serve import stop_process_group
-
-        stop_process_group(self.proc)
-        self._fh.close()
+        self.child.stop()
 
 
 def run_client(url: str, model: str, *, concurrency: int, max_tokens: int, tag: str,
