@@ -166,3 +166,29 @@ def run_async(qtbot, coro: Coroutine[Any, Any, Any], timeout_ms: int = 30000) ->
         task.cancel()
         raise TimeoutError(f"waited {timeout_ms} ms for {what}") from None
     return task.result()
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether ``pid`` is still in the process table (a zombie counts: see :func:`is_zombie`)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has ended and only waits for its parent to read its status."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def private_xdg_dirs(tmp_path: Path, monkeypatch) -> None:
+    """Private 0700 state, runtime and data folders, so an engine child's receipts and token files
+    stay in the test's own folder."""
+    for var in ("XDG_STATE_HOME", "XDG_RUNTIME_DIR", "XDG_DATA_HOME"):
+        path = tmp_path / var.lower()
+        path.mkdir(mode=0o700)
+        monkeypatch.setenv(var, str(path))

@@ -18,7 +18,7 @@ import threading
 import httpx
 import pytest
 from health_poll import HealthPoller
-from live import run_async
+from live import is_zombie, pid_exists, private_xdg_dirs, run_async
 
 from moetray.app.supervisor import EngineSupervisor, LaunchSpec, Phase, prepare_launch
 from moetray.policy.restart import RestartBudget
@@ -28,21 +28,10 @@ SMALL_POOLS = ("--budget-bytes", str(4 * 1024 * 1024), "--moe-capacity", "10")
 FOUR_MB = 4 << 20
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.fixture
 def supervisor(qapp, qloop, qtbot, tmp_path, monkeypatch):
     """``start(model, **settings)`` → a supervisor with a serving engine child; ended after the test."""
-    for var in ("XDG_STATE_HOME", "XDG_RUNTIME_DIR", "XDG_DATA_HOME"):
-        path = tmp_path / var.lower()
-        path.mkdir(mode=0o700)
-        monkeypatch.setenv(var, str(path))  # the child's receipts and token files stay here
+    private_xdg_dirs(tmp_path, monkeypatch)
     started: list[EngineSupervisor] = []
 
     def start(model, **settings) -> EngineSupervisor:
@@ -62,7 +51,7 @@ def supervisor(qapp, qloop, qtbot, tmp_path, monkeypatch):
         try:
             run_async(qtbot, sup.stop(), timeout_ms=60000)
         finally:  # never leave an engine behind, even when the test broke the loop
-            if pid is not None and _alive(pid):
+            if pid is not None and pid_exists(pid):
                 os.killpg(pid, signal.SIGCONT)
                 os.killpg(pid, signal.SIGKILL)
 
@@ -96,7 +85,7 @@ def test_a_4mb_prompt_keeps_health_answering_and_the_engine_alive(supervisor, ti
     assert max(polls.latencies) < 2.0, polls.latencies
     assert probes_during >= 2  # the supervisor really watched while the prompt was worked on
     assert sup.crashes == [] and sup.phase == Phase.RUNNING and sup.spawn_count == 1
-    assert sup.pid == pid and _alive(pid)
+    assert sup.pid == pid and pid_exists(pid)
 
 
 def test_a_stopped_engine_is_hung_even_when_it_was_busy(supervisor, tiny_model, qtbot):
@@ -113,7 +102,7 @@ def test_a_stopped_engine_is_hung_even_when_it_was_busy(supervisor, tiny_model, 
         with qtbot.waitSignal(sup.gave_up, timeout=60000) as gave_up:
             pass
     finally:
-        if _alive(pid):
+        if pid_exists(pid):
             os.kill(pid, signal.SIGCONT)
     reason = gave_up.args[0]
     assert "stopped answering" in reason
@@ -122,7 +111,7 @@ def test_a_stopped_engine_is_hung_even_when_it_was_busy(supervisor, tiny_model, 
     # just past the grace reads as the grace itself.
     assert silent_s >= sup.busy_grace_s
     assert sup.phase == Phase.FAILED and sup.spawn_count == 1
-    qtbot.waitUntil(lambda: not _alive(pid) or _zombie(pid), timeout=20000)
+    qtbot.waitUntil(lambda: not pid_exists(pid) or is_zombie(pid), timeout=20000)
     stream.join(timeout=30)
 
 
@@ -134,11 +123,3 @@ def _read_until_cut(url: str, body: dict) -> None:
                 pass
     except httpx.HTTPError:
         pass
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] == "Z"
-    except OSError:
-        return False

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from bounded import wait_qt
-from live import run_async
+from live import is_zombie, pid_exists, private_xdg_dirs, run_async
 
 from moetray.app.application import AppOptions, MoetrayApp
 from moetray.app.settings import SETTINGS_FILE, Settings
@@ -32,21 +32,10 @@ UNRESPONSIVE_AFTER_S = 10.0
 /health reply for a few seconds, which must not count as the hang a test provokes."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.fixture
 def supervised(qapp, qloop, qtbot, tmp_path, monkeypatch):
     """A tray app (window only) that starts its own engines; torn down like Quit."""
-    for var in ("XDG_STATE_HOME", "XDG_RUNTIME_DIR", "XDG_DATA_HOME"):
-        path = tmp_path / var.lower()
-        path.mkdir(mode=0o700)
-        monkeypatch.setenv(var, str(path))  # the child's receipts and token files stay here
+    private_xdg_dirs(tmp_path, monkeypatch)
     settings = Settings.at(tmp_path / SETTINGS_FILE)
     settings.engine_args = SMALL_POOLS
     settings.port = 0  # any free port: tests run side by side
@@ -62,7 +51,7 @@ def supervised(qapp, qloop, qtbot, tmp_path, monkeypatch):
         run_async(qtbot, app.shutdown(), timeout_ms=60000)
     finally:  # never leave an engine behind, even when the test broke the loop
         pid = app.supervisor.pid
-        if pid is not None and _alive(pid):
+        if pid is not None and pid_exists(pid):
             os.killpg(pid, signal.SIGKILL)
 
 
@@ -89,7 +78,7 @@ def test_crashes_and_hangs_are_restarted_within_the_budget_then_the_engine_stays
         with qtbot.waitSignal(sup.crashed, timeout=NOTICE_MS) as stopped:
             pass
     finally:
-        if _alive(hung):
+        if pid_exists(hung):
             os.kill(hung, signal.SIGCONT)
     # The watchdog's verdict, after at least its threshold of silence (never before it).
     silence = re.fullmatch(r"The engine stopped answering \(no /health reply for ([\d.]+) s\)\.",
@@ -104,20 +93,14 @@ def test_crashes_and_hangs_are_restarted_within_the_budget_then_the_engine_stays
     with qtbot.waitSignal(sup.gave_up, timeout=NOTICE_MS) as gave_up:  # past this budget (2): final
         os.kill(third, signal.SIGKILL)
     assert "exited" in gave_up.args[0]
-    wait_qt(qtbot, lambda: not _alive(third) or _zombie(third), NOTICE_MS, "the last engine to be reaped")
+    wait_qt(qtbot, lambda: not pid_exists(third) or is_zombie(third), NOTICE_MS,
+            "the last engine to be reaped")
     # Terminal: failed, shown with the reason, no restart scheduled, no fourth engine.
     assert sup.phase == Phase.FAILED and sup._restart_task is None and sup.spawn_count == 3
     assert app.model.engine.state == EngineState.FAILED and app.model.engine.api_url is None
     assert "exited" in app.model.engine.detail
     assert [err for _, _, err in app.notes] == [True, True, True]  # crash, crash, stays down
     assert "stays down" in app.notes[-1][1] and "Restart engine" in app.notes[-1][1]
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except OSError:
-        return False
 
 
 def test_quit_takes_the_stop_receipt_then_ends_the_engine(supervised, tiny_model, qtbot):
@@ -132,7 +115,7 @@ def test_quit_takes_the_stop_receipt_then_ends_the_engine(supervised, tiny_model
     receipt = run_async(qtbot, app.stop_serving(), timeout_ms=120000)
     assert receipt and receipt.get("drain_complete") is True
     # Ended by the polite path: it exited on SIGINT by itself, no SIGTERM or SIGKILL needed.
-    assert not _alive(pid) and sup.phase == Phase.IDLE and sup.last_returncode == 0
+    assert not pid_exists(pid) and sup.phase == Phase.IDLE and sup.last_returncode == 0
     assert app.model.engine.state == EngineState.STOPPED
     assert any("stop receipt" in line for line in app.model.logs.lines)
     receipts = list(Path(os.environ["XDG_STATE_HOME"]).rglob("*.json"))
@@ -197,7 +180,7 @@ def test_settings_that_need_a_restart_say_so_and_restart_the_engine_on_the_lan_w
     wait_qt(qtbot, lambda: app.model.engine.state == EngineState.SERVING
             and (app.model.engine.api_url or "").endswith(f":{port}/v1"), START_MS,
             "the engine restarted on the new port to serve")
-    assert app.supervisor.pid != first and (not _alive(first) or _zombie(first))
+    assert app.supervisor.pid != first and (not pid_exists(first) or is_zombie(first))
     key_file = app.settings.api_key_path
     assert key_file.stat().st_mode & 0o777 == 0o600
     key = key_file.read_text().strip()
