@@ -12,9 +12,11 @@ from moetray.app import compat
 SLOW_LINK_GBPS = "0.001"
 """Expert copies throttled to ~1 MB/s: each miss sleeps ~25 ms (cheap on CPU: the throttle
 sleeps), so the heatmap shows a partly resident map that moves."""
-STEP_DELAY_MS = "50"
-"""Every batch step held 50 ms (the engine's test hook; it sleeps): a 400-token chat lasts at
-least 20 s however idle the machine, so a test can see its row and stop it before it ends."""
+STEP_DELAY_MS = "100"
+"""Every batch step held 100 ms (the engine's test hook; it sleeps): a long chat (900 tokens,
+``test_live_dashboard.LONG_CHAT``) lasts at least 90 s however idle the machine, three times the
+30 s a test may wait to see its row and as long again for its Stop to land, so a test that
+stops it never races its natural end (a loaded CI once let a 20 s chat run out first)."""
 
 
 @pytest.fixture(scope="module")

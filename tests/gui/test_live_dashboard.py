@@ -19,6 +19,9 @@ from moetray.ui.charts import empty_cell
 from moetray.ui.viewmodels import EngineState
 
 WAIT_MS = 30000
+LONG_CHAT = 900
+"""Tokens of a chat a test stops: with the engine's held steps (conftest.STEP_DELAY_MS) it cannot
+end by itself within the waits before its Stop lands (it fits the tiny model's 1024 positions)."""
 
 
 def _pump_until(qapp, task, what: str, timeout_s=60.0):
@@ -91,21 +94,24 @@ def test_heatmap_reflects_the_engines_residency_map(app, window, dashboard_engin
 
 
 def test_stop_on_a_row_cancels_that_request(app, window, dashboard_engine, idle, qtbot):
-    chat = StreamingChat(dashboard_engine, max_tokens=400)
+    chat = StreamingChat(dashboard_engine, max_tokens=LONG_CHAT)
     chat.start()
     window.show_tab("Requests")
     wait_qt(qtbot, lambda: len(window.requests.row_ids()) == 1, WAIT_MS, "the request's row")
     rid = window.requests.row_ids()[0]
+    read_at_click = chat.chunks
     qtbot.mouseClick(window.requests.stop_buttons[rid], Qt.MouseButton.LeftButton)
     # The row goes once the engine stops listing it (the cancel's reply, not a later event).
     wait_qt(qtbot, lambda: rid not in window.requests.row_ids(), WAIT_MS, "the stopped request's row to go")
     assert rid not in dashboard_engine.request_ids()
     chat.wait_ended(qtbot, 3 * WAIT_MS, "the stopped chat to end")  # a loaded machine
-    assert chat.finish_reason != "length" and chat.chunks < 400
+    assert (chat.finish_reason, chat.stop_reason) == ("stop", "cancelled"), (
+        f"{chat.chunks} chunks read ({read_at_click} when Stop was clicked), "
+        f"finish_reason {chat.finish_reason!r}; app log: {app.model.logs.lines[-5:]!r}")
 
 
 def test_stop_all_cancels_every_request(app, window, dashboard_engine, idle, qtbot):
-    chats = [StreamingChat(dashboard_engine, max_tokens=400, content=f"story {i}") for i in range(2)]
+    chats = [StreamingChat(dashboard_engine, max_tokens=LONG_CHAT, content=f"story {i}") for i in range(2)]
     for chat in chats:
         chat.start()
     window.show_tab("Requests")
@@ -115,7 +121,7 @@ def test_stop_all_cancels_every_request(app, window, dashboard_engine, idle, qtb
     assert dashboard_engine.request_ids() == []
     for chat in chats:
         chat.wait_ended(qtbot, 3 * WAIT_MS, "a stopped chat to end")
-        assert chat.chunks < 400
+        assert chat.chunks < LONG_CHAT
 
 
 def _other_end(pools) -> int:
@@ -150,7 +156,7 @@ def _apply_while_busy(app, window, dashboard_engine, qtbot):
     view = window.pools
     wait_qt(qtbot, lambda: app.model.pools.enabled, WAIT_MS, "the pools view")
     before = dashboard_engine.status()["pools"]
-    chat = StreamingChat(dashboard_engine, max_tokens=400)
+    chat = StreamingChat(dashboard_engine, max_tokens=LONG_CHAT)
     chat.start()
     wait_qt(qtbot, lambda: len(dashboard_engine.request_ids()) == 1, WAIT_MS, "the chat to be admitted")
     view.slider.setValue(_other_end(before))
@@ -172,7 +178,7 @@ def test_stop_them_and_apply_stops_the_running_request_and_applies(app, window, 
     assert view.outcome_text.startswith("Applied: ") and "waiting" in view.outcome_text
     assert outcome.waited_ms is not None and outcome.applied_ms is not None
     chat.wait_ended(qtbot, WAIT_MS)
-    assert (chat.finish_reason, chat.stop_reason) == ("stop", "cancelled") and chat.chunks < 400
+    assert (chat.finish_reason, chat.stop_reason) == ("stop", "cancelled") and chat.chunks < LONG_CHAT
     after = dashboard_engine.status()["pools"]
     assert (after["moe_slots"], after["kv_pages"]) != (before["moe_slots"], before["kv_pages"])
     assert not view.stop_running_button.isVisible()
