@@ -55,9 +55,9 @@ def test_stop_drains_running_requests_before_sealing(tiny_qwen3, start_engine):
     result: dict = {}
     body = {
         "messages": [{"role": "user", "content": "finish me"}],
-        "max_tokens": 20,
+        "max_tokens": 80,  # >= 1.6 s of held steps: the Stop lands while it runs, even when loaded
         "temperature": 0,
-        "moetray_test_forced_tokens": noise_tokens(20),
+        "moetray_test_forced_tokens": noise_tokens(80),
     }
     t = threading.Thread(
         target=lambda: result.setdefault(
@@ -71,7 +71,7 @@ def test_stop_drains_running_requests_before_sealing(tiny_qwen3, start_engine):
     assert r.status_code == 200
     reply = result["r"].json()
     assert reply["choices"][0]["finish_reason"] == "length"  # it ran to completion: drained, not aborted
-    assert r.json()["completion_tokens_total"] == reply["usage"]["completion_tokens"] == 20
+    assert r.json()["completion_tokens_total"] == reply["usage"]["completion_tokens"] == 80
     assert (r.json()["drained"], r.json()["aborted"]) == (1, 0)
 
 
@@ -108,9 +108,9 @@ def test_stop_during_a_rebuild_is_refused_and_changes_nothing(tiny_qwen3, start_
     engine = start_engine(tiny_qwen3, test_step_delay_s=0.02)
     body = {
         "messages": [{"role": "user", "content": "hold"}],
-        "max_tokens": 40,
+        "max_tokens": 120,  # >= 2.4 s of held steps: the re-split still waits when Stop comes
         "temperature": 0,
-        "moetray_test_forced_tokens": noise_tokens(40),
+        "moetray_test_forced_tokens": noise_tokens(120),
     }
     t = threading.Thread(
         target=lambda: httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=60)
