@@ -77,6 +77,8 @@ class ServedModel:
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "weights": self.loaded.format.weights,
             "dtype_reason": self.loaded.format.reason,
+            "decode_kernel": self.loaded.runtime.decode_kernel,
+            "decode_kernel_reason": self.loaded.runtime.decode_kernel_reason,
             "context_length": info.context_length if context_length is None else context_length,
         }
 
@@ -119,6 +121,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         progress=progress,
         link_gbps=opts.link_gbps,
         policy=opts.expert_policy,
+        compile_decode=opts.compile_decode,
     )
     runtime = loaded.runtime
     dtype = loaded.dtype  # activations and the KV cache
@@ -186,4 +189,6 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     gc.freeze()
     pools = Pools(loaded.model, runtime, budget, measured, settings, trained_context=info.context_length)
     pools.open(sizes, progress)
+    progress("compiling the decode kernel", 0, None)
+    runtime.warm_up()
     return ServedModel(loaded, chat, eos_ids, prefix_policy), pools

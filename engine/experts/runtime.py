@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moetray.engine.experts.fused import FUSED_MAX_TOKENS, FusedExperts, fused_refusal
 from moetray.engine.experts.grouped import Operands, grouped_output, operands, project
 from moetray.engine.experts.hf import (
     DEFAULT_APPLY_GATE,
@@ -133,7 +134,8 @@ class ExpertRuntime:
     def __init__(self, store: ExpertStore, *, device: torch.device, capacity: int, top_k: int,
                  policy: str | None = None, qstar: Any = None, cpu_layers: frozenset[int] = frozenset(),
                  link_gbps: float | None = None, window_steps: int = 64,
-                 allocate: Callable[..., torch.Tensor] | None = None, compute: str | None = None):
+                 allocate: Callable[..., torch.Tensor] | None = None, compute: str | None = None,
+                 compile_decode: bool = False):
         self.compute = check_compute(compute)
         self._int8 = isinstance(store, Int8ExpertStore)
         if self._int8 and self.compute != "grouped_mm":
@@ -176,6 +178,47 @@ class ExpertRuntime:
         self.trace: list[tuple[int, tuple[int, ...]]] | None = None
         self.host_residency: list[str | None] = [None] * self.num_layers  # set by the loader
         self._fault: str | None = None
+        self.fused: FusedExperts | None = None  # the compiled decode kernel, once warm_up built it
+        self.decode_kernel_reason = self._fused_refusal(compile_decode)
+        self.modules: list[Any] = []  # the Experts modules in MoE-layer order, set by attach()
+
+    def _fused_refusal(self, wanted: bool) -> str | None:
+        if not wanted:
+            return "off (--no-compile)"
+        if self.compute != "grouped_mm":
+            return f"the {self.compute} arithmetic was asked for"
+        return fused_refusal(device=self.device, slot_dtype=self.store.slot_dtype, int8=self._int8,
+                             host_share=self.qstar is not None or bool(self.cpu_layers))
+
+    @property
+    def decode_kernel(self) -> str:
+        """``"compiled"`` when small batches run the compiled kernel, else ``"grouped"``."""
+        return "compiled" if self.fused is not None else self.compute
+
+    def warm_up(self) -> None:
+        """Compile the decode kernel now, where it may serve (see :mod:`~moetray.engine.experts.fused`);
+        a failed compilation is logged and leaves the grouped path (``decode_kernel_reason``)."""
+        if self.decode_kernel_reason is not None or self.fused is not None or not self.modules:
+            return
+        module = self.modules[0]
+        if getattr(module, "has_post_expert_norm", False):
+            self.decode_kernel_reason = "the experts have a post-expert norm"
+            return
+        with self._lock:
+            layout = self.store.layout if isinstance(self.store, Int8ExpertStore) else None
+            kernel = FusedExperts(self.geometry, layout, self.pool.rows)
+            try:
+                kernel.warm_up(module, self._hidden_size(), self.store.dtype, self.top_k)
+            except Exception as exc:  # no C++ compiler, a gate inductor cannot trace, …
+                log.warning("decode kernel not compiled, the grouped GEMMs serve: %s", exc)
+                self.decode_kernel_reason = f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
+                return
+            self.fused = kernel
+
+    def _hidden_size(self) -> int:
+        geo = self.geometry
+        down = next(seg for seg in geo.segments if seg.name == "down_proj").shape  # [out, in] or transposed
+        return down[1] if geo.is_transposed else down[0]
 
     # --- geometry ------------------------------------------------------------------------
 
@@ -208,7 +251,8 @@ class ExpertRuntime:
         return self._forward_eager(module, layer, hidden_states, top_k_index, top_k_weights)
 
     def _forward_grouped(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
-                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                         fused: bool = True) -> torch.Tensor:
         """The stock ``grouped_mm`` implementation's arithmetic over the slot pool.
 
         Token-expert pairs are ordered by the same ``torch.sort`` the stock path uses; each
@@ -220,6 +264,9 @@ class ExpertRuntime:
         CPU the output is bit-identical to ``grouped_mm`` with every expert resident.
         """
         num_tokens, num_top_k = top_k_index.shape
+        if (fused and self.fused is not None and num_tokens <= FUSED_MAX_TOKENS
+                and not torch.is_grad_enabled()):
+            return self._forward_fused(module, layer, hidden_states, top_k_index, top_k_weights)
         pairs = num_tokens * num_top_k
         hidden_dim = hidden_states.shape[-1]
         num_experts = self.num_experts
@@ -280,6 +327,31 @@ class ExpertRuntime:
         restored = torch.empty((pairs, hidden_dim), dtype=weighted.dtype, device=weighted.device)
         restored.index_copy_(0, perm, weighted)
         return restored.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+    def _forward_fused(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
+                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """A small batch through the compiled kernel: plan and copy as the grouped path does, then
+        one kernel call over every token-expert pair's slot (every routed expert has one here:
+        the kernel serves no host share)."""
+        pairs = top_k_index.tolist()  # the call's one host read of the routing
+        routed = sorted({expert for row in pairs for expert in row})
+        if routed and routed[-1] >= self.num_experts:  # expert-parallel sentinels: the grouped path skips
+            return self._forward_grouped(module, layer, hidden_states, top_k_index, top_k_weights,
+                                         fused=False)
+        with self._lock:  # held for the whole call: a resize never swaps rows mid-compute
+            plan = self._plan(layer, routed)
+            moved = self.pool.bytes_copied
+            try:
+                self.slots.apply(plan)
+            except SlotDeviceError as exc:
+                self._forget_plan(plan, exc)
+                raise
+            self._record(layer, plan, self.pool.bytes_copied - moved, len(pairs))
+            slot_of = dict(zip(routed, plan.slots, strict=True))
+            slots = torch.tensor([[slot_of[e] for e in row] for row in pairs], dtype=torch.long)
+            kernel = self.fused
+            assert kernel is not None, "forward() takes this path only with a kernel"
+            return kernel(module, hidden_states, slots, top_k_weights)
 
     def _host_expert(self, module: ExpertsModule, ops: Operands, states: torch.Tensor) -> torch.Tensor:
         """One expert of the CPU share on a CUDA device: computed by the CPU from the host store."""
@@ -528,6 +600,8 @@ class ExpertRuntime:
             finally:
                 self._slot_views = self._unpack_slots()
                 self._slot_mats = self._gemm_operands()
+                if self.fused is not None:
+                    self.fused.bind(self.pool.rows)
             return {"old_capacity": old, "capacity": capacity, "kept": self.cache.resident_count,
                     "dropped": len(plan.dropped), "moved": len(plan.moves)}
 
@@ -609,3 +683,4 @@ def attach(modules: list[torch.nn.Module], runtime: ExpertRuntime) -> None:
     for layer, module in enumerate(modules):
         setattr(module, _RUNTIME_ATTR, runtime)
         setattr(module, _LAYER_ATTR, layer)
+    runtime.modules = list(modules)

@@ -47,6 +47,9 @@ def test_auto_follows_the_checkpoint_and_this_cpu(tiny_qwen3, tmp_path, start_en
     model = engine.status()["model"]
     assert model["dtype"] == expected and model["weights"] == expected
     assert model["dtype_reason"].startswith("auto:")
+    # Issue 15: a lossy format's decode steps run the compiled kernel; float32 stays exact.
+    assert model["decode_kernel"] == ("compiled" if expected == "bfloat16" else "grouped_mm")
+    assert (model["decode_kernel_reason"] is None) == (expected == "bfloat16")
     cache = engine.engine.pools.runner.manager.batch_processor.cache
     assert cache.dtype == getattr(torch, expected)
     assert _chat(engine)["usage"]["completion_tokens"] == 6
@@ -63,7 +66,11 @@ def test_int8_serves_and_says_so(tiny_qwen3, start_engine):
     model = engine.status()["model"]
     assert (model["dtype"], model["weights"]) == ("bfloat16", "int8")
     assert model["dtype_reason"] == "--dtype int8: weight-only int8 on bfloat16 activations"
+    assert model["decode_kernel"] == "compiled"
     assert _chat(engine)["usage"]["completion_tokens"] == 6
+    # The served request's decode steps went through the kernel (5 steps after the prefill's token).
+    runtime = engine.engine.pools.runtime
+    assert runtime.fused.calls >= 5 * runtime.num_layers
 
 
 def test_step_breakdown_counts_a_served_request(tiny_qwen3, start_engine):
