@@ -181,6 +181,7 @@ class ExpertRuntime:
         self.fused: FusedExperts | None = None  # the compiled decode kernel, once warm_up built it
         self.decode_kernel_reason = self._fused_refusal(compile_decode)
         self.modules: list[Any] = []  # the Experts modules in MoE-layer order, set by attach()
+        self.blocks_reason: str | None = "not compiled"  # why the MoE blocks run eager (experts/blocks.py)
 
     def _fused_refusal(self, wanted: bool) -> str | None:
         if not wanted:
@@ -208,14 +209,16 @@ class ExpertRuntime:
             layout = self.store.layout if isinstance(self.store, Int8ExpertStore) else None
             kernel = FusedExperts(self.geometry, layout, self.pool.rows)
             try:
-                kernel.warm_up(module, self._hidden_size(), self.store.dtype, self.top_k)
+                kernel.warm_up(module, self.hidden_size, self.store.dtype, self.top_k)
             except Exception as exc:  # no C++ compiler, a gate inductor cannot trace, …
                 log.warning("decode kernel not compiled, the grouped GEMMs serve: %s", exc)
                 self.decode_kernel_reason = f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
                 return
             self.fused = kernel
 
-    def _hidden_size(self) -> int:
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size (the down projection's output features)."""
         geo = self.geometry
         down = next(seg for seg in geo.segments if seg.name == "down_proj").shape  # [out, in] or transposed
         return down[1] if geo.is_transposed else down[0]
@@ -528,6 +531,14 @@ class ExpertRuntime:
                 "expert_store_format": self.store.format,
             }
 
+    def forget_warm_up(self) -> None:
+        """Zero what a load-time warm-up call counted (hits, misses, bytes, tokens, the window), so
+        the telemetry counts requests only; residency stays (the experts are where they are)."""
+        with self._lock:
+            self.reset_window()
+            self.cache.reset_stats()
+            self.total_bytes = self.total_tokens = self.calls = 0
+
     def reset_window(self) -> None:
         """Empty the sliding window (totals, residency and recency are kept)."""
         with self._lock:
@@ -663,9 +674,11 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 # --- the registered experts implementation ----------------------------------------------------
 
 
+@torch.compiler.disable  # a compiled MoE block breaks its graph here (experts/blocks.py)
 def moetray_experts_forward(self: ExpertsModule, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers experts-interface entry point: ``[T, H], [T, k], [T, k] → [T, H]``."""
+    """transformers experts-interface entry point: ``[T, H], [T, k], [T, k] → [T, H]``; never traced
+    by dynamo (planning and copies are Python with a lock; the experts' kernel is compiled on its own)."""
     runtime: ExpertRuntime | None = getattr(self, _RUNTIME_ATTR, None)
     if runtime is None:
         raise RuntimeError(f"{type(self).__name__} is not attached to a moetray ExpertRuntime; "
