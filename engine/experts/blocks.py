@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from moetray.engine.experts.fused import compile_failure
+
 __all__ = ["NORM_NAMES", "compile_blocks"]
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,7 @@ def compile_blocks(model: torch.nn.Module, runtime: Any, hidden: int) -> str | N
         for module in compiled:
             del module.forward
         log.warning("MoE blocks not compiled, they run eager: %s", exc)
-        return f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
+        return compile_failure(exc)
     finally:
         runtime.forget_warm_up()
     log.info("compiled %d MoE blocks and norms", len(compiled))

@@ -24,6 +24,7 @@ gate) the runtime says why and keeps the grouped path.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,10 @@ from moetray.engine.experts.hf import ExpertsModule
 from moetray.engine.experts.int8 import Int8Layout
 from moetray.engine.experts.store import ExpertGeometry
 
-__all__ = ["FUSED_DTYPES", "FUSED_MAX_TOKENS", "FusedExperts", "PoolViews", "fused_refusal"]
+__all__ = ["FUSED_DTYPES", "FUSED_MAX_TOKENS", "FusedExperts", "PoolViews", "compile_failure",
+           "compile_kernel", "fused_refusal"]
+
+log = logging.getLogger(__name__)
 
 FUSED_MAX_TOKENS = 8
 """Tokens per layer call up to which the compiled kernel computes the call (decode of up to 8
@@ -169,3 +173,23 @@ class FusedExperts:
                 slots = torch.zeros(tokens, top_k, dtype=torch.long)
                 weights = torch.zeros(tokens, top_k, dtype=dtype)
                 self._run(module, states, slots, weights)
+
+
+def compile_failure(exc: BaseException) -> str:
+    """The reason a failed compilation leaves things eager, as the status shows it."""
+    return f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def compile_kernel(module: ExpertsModule, geometry: ExpertGeometry, int8_layout: Int8Layout | None,
+                   rows: torch.Tensor, *, hidden: int, dtype: torch.dtype,
+                   top_k: int) -> tuple[FusedExperts | None, str | None]:
+    """``(kernel, None)`` compiled and warm for ``module``'s family, or ``(None, why not)``."""
+    if getattr(module, "has_post_expert_norm", False):
+        return None, "the experts have a post-expert norm"
+    kernel = FusedExperts(geometry, int8_layout, rows)
+    try:
+        kernel.warm_up(module, hidden, dtype, top_k)
+    except Exception as exc:  # no C++ compiler, a gate inductor cannot trace, …
+        log.warning("decode kernel not compiled, the grouped GEMMs serve: %s", exc)
+        return None, compile_failure(exc)
+    return kernel, None

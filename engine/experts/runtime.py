@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moetray.engine.experts.fused import FUSED_MAX_TOKENS, FusedExperts, fused_refusal
+from moetray.engine.experts.fused import FUSED_MAX_TOKENS, FusedExperts, compile_kernel, fused_refusal
 from moetray.engine.experts.grouped import Operands, grouped_output, operands, project
 from moetray.engine.experts.hf import (
     DEFAULT_APPLY_GATE,
@@ -201,20 +201,11 @@ class ExpertRuntime:
         a failed compilation is logged and leaves the grouped path (``decode_kernel_reason``)."""
         if self.decode_kernel_reason is not None or self.fused is not None or not self.modules:
             return
-        module = self.modules[0]
-        if getattr(module, "has_post_expert_norm", False):
-            self.decode_kernel_reason = "the experts have a post-expert norm"
-            return
         with self._lock:
             layout = self.store.layout if isinstance(self.store, Int8ExpertStore) else None
-            kernel = FusedExperts(self.geometry, layout, self.pool.rows)
-            try:
-                kernel.warm_up(module, self.hidden_size, self.store.dtype, self.top_k)
-            except Exception as exc:  # no C++ compiler, a gate inductor cannot trace, …
-                log.warning("decode kernel not compiled, the grouped GEMMs serve: %s", exc)
-                self.decode_kernel_reason = f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
-                return
-            self.fused = kernel
+            self.fused, self.decode_kernel_reason = compile_kernel(
+                self.modules[0], self.geometry, layout, self.pool.rows,
+                hidden=self.hidden_size, dtype=self.store.dtype, top_k=self.top_k)
 
     @property
     def hidden_size(self) -> int:
