@@ -104,17 +104,16 @@ def test_float32_stays_on_the_exact_grouped_path(tiny_moe):
     assert "float32" in rt.decode_kernel_reason
 
 
-def test_a_failed_compilation_leaves_the_grouped_path(tiny_moe, monkeypatch):
-    """No C++ compiler (inductor pointed at a missing one, caches off so it must compile): warm-up
+def test_a_failed_compilation_leaves_the_grouped_path(tiny_moe):
+    """No C++ compiler (inductor pointed at a missing one, its cache off so it must compile): warm-up
     logs why, and decode runs the grouped GEMMs. Prevents: an engine that cannot start on a
     machine without a compiler."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/bin/c++",))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
     torch._dynamo.reset()
     try:
-        off = _runtime(tiny_moe("qwen2_moe", "per_expert"))
+        with inductor_config.patch({"cpp.cxx": ("/nonexistent/bin/c++",), "fx_graph_cache": False}):
+            off = _runtime(tiny_moe("qwen2_moe", "per_expert"))
         rt = off.runtime
         assert rt.fused is None and rt.decode_kernel == "grouped_mm"
         assert rt.decode_kernel_reason.startswith("compilation failed")
