@@ -105,12 +105,14 @@ def fused_refusal(*, device: torch.device, slot_dtype: torch.dtype, int8: bool,
 def _project(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None,
              bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     """Per token-expert pair, ``x[t(·k)] @ W[slot]ᵀ`` as a float32 reduction over the input features."""
-    mat = w[slots].to(x.dtype)  # indexing fuses into the reduction's loads: nothing is gathered
-    xs = x if x.dim() == 3 else x[:, None, :]  # [T, k|1, in]
+    # Widened to float32 before the product (measured: int8 rows 0.7-0.8× the CPU time of widening to
+    # the activations' bfloat16 first, 16-bit rows 0.9×); indexing fuses into the reduction's loads.
+    mat = w[slots].float()
+    xs = (x if x.dim() == 3 else x[:, None, :]).float()  # [T, k|1, in]
     if transposed:
-        out = (xs.unsqueeze(-1) * mat).sum(-2, dtype=torch.float32)
+        out = (xs.unsqueeze(-1) * mat).sum(-2)
     else:
-        out = (xs.unsqueeze(-2) * mat).sum(-1, dtype=torch.float32)
+        out = (xs.unsqueeze(-2) * mat).sum(-1)
     if scale is not None:
         out = out * scale[slots]
     if bias is not None:
