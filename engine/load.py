@@ -85,6 +85,8 @@ class ServedModel:
 
 def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pools]:
     """Read, price, load and open the pools; raises the checkpoint's or the budget's refusals."""
+    import torch
+
     from moetray.engine.budget import cpu_budget, cuda_budget, cuda_free_bytes
     from moetray.engine.chat import ChatSupport
     from moetray.engine.models import checkpoint as loader
@@ -163,6 +165,8 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         budget.budget_bytes,
         measured.source,
     )
+    progress("compiling the decode kernel", 0, None)
+    runtime.warm_up()  # before the runner's settings: its decode steps' threads follow the kernel
     eos_ids = loader.eos_token_ids(loaded.model, loaded.tokenizer)
     progress("probing the chat template", 0, 1)
     chat = ChatSupport.probe(
@@ -180,6 +184,8 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         eos_token_ids=eos_ids,
         anchor_token=chat.anchor_token,
         step_delay_s=opts.test_step_delay_s if opts.test_hooks else 0.0,
+        single_thread_decode=runtime.fused is not None,  # a lossy format on the compiled kernel
+        thread_budget=torch.get_num_threads(),
     )
     # The model and the libraries are long-lived: freeze them out of the cyclic GC, or every
     # gc.collect() the batching substrate runs when a manager stops (each KV re-split) walks
@@ -189,6 +195,4 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     gc.freeze()
     pools = Pools(loaded.model, runtime, budget, measured, settings, trained_context=info.context_length)
     pools.open(sizes, progress)
-    progress("compiling the decode step", 0, None)
-    runtime.warm_up()
     return ServedModel(loaded, chat, eos_ids, prefix_policy), pools

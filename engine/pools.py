@@ -64,6 +64,8 @@ class RunnerSettings:
     eos_token_ids: tuple[int, ...]
     anchor_token: int | None
     step_delay_s: float = 0.0
+    single_thread_decode: bool = False
+    thread_budget: int | None = None
 
     def config(self, kv_pages: int, state_slots: int = 0) -> RunnerConfig:
         return RunnerConfig(
@@ -76,6 +78,8 @@ class RunnerSettings:
             eos_token_ids=self.eos_token_ids,
             anchor_token=self.anchor_token,
             step_delay_s=self.step_delay_s,
+            single_thread_decode=self.single_thread_decode,
+            thread_budget=self.thread_budget,
         )
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers.generation.continuous_batching import RequestStatus
 from transformers.generation.continuous_batching.cache_allocators.cache_allocator import BlockLedger
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
@@ -26,6 +27,7 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 from moetray.policy.anchor import AnchorRetention, AnchorState
 from moetray.policy.radix import RadixCache
 from moetray.policy.refused import Refused
+from moetray.policy.step_threads import step_threads
 
 if TYPE_CHECKING:
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -338,6 +340,12 @@ class RadixScheduler(FIFOScheduler):
     def schedule_batch(self, token_budget, cache_budget):
         if self.hooks is not None:
             self.hooks.before_step()
+        result = self._schedule_tracked(token_budget, cache_budget)
+        if self.hooks is not None and result[0]:
+            self.hooks.step_scheduled(result[2])  # the step's query tokens
+        return result
+
+    def _schedule_tracked(self, token_budget, cache_budget):
         ledger = self._ledger
         if ledger is None:
             return super().schedule_batch(token_budget, cache_budget)
@@ -385,6 +393,17 @@ class SchedulerHooks:
 
     def __init__(self, runner: BatchRunner) -> None:
         self._runner = runner
+        self._budget = runner.config.thread_budget or torch.get_num_threads()
+
+    def step_scheduled(self, query_tokens: int) -> None:
+        """Run the step on the threads :func:`~moetray.policy.step_threads.step_threads` gives it
+        (set on the generation thread, only when the count changes); recorded as the runner's
+        ``step_threads``."""
+        threads = step_threads(query_tokens, self._budget,
+                               single_thread_decode=self._runner.config.single_thread_decode)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        self._runner.step_threads = threads
 
     def before_step(self) -> None:
         """Test hook: hold every step for ``step_delay_s`` (sleeping), so requests last long enough

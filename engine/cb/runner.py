@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
+import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
@@ -90,6 +91,8 @@ class RunnerConfig:
     anchor_token: int | None = None  # the single-token tool-call opener (policy.anchor)
     anchor_max_held_tokens: int | None = None  # None: half the pool's tokens
     step_delay_s: float = 0.0  # test hook (see SchedulerHooks.before_step)
+    single_thread_decode: bool = False  # decode steps on one intra-op thread (policy.step_threads)
+    thread_budget: int | None = None  # the engine's intra-op threads (None: torch's count at start)
 
     def __post_init__(self) -> None:
         if self.prefix_policy not in PREFIX_POLICIES:
@@ -165,6 +168,7 @@ class BatchRunner:
         self._handlers: dict[str, Handler] = {}
         self.steps = 0  # batch steps taken: the loop's heartbeat
         self.last_step_at: float | None = None  # time.monotonic() of the latest step
+        self.step_threads: int | None = None  # intra-op threads of the latest step (policy.step_threads)
 
     def beat(self) -> None:
         """The generation thread is about to run a step (called from the scheduler hooks)."""
@@ -251,6 +255,8 @@ class BatchRunner:
         manager.batch_processor = None
         manager.destroy()
         del manager
+        if self.step_threads is not None and self.config.thread_budget:  # a decode step left 1 thread
+            torch.set_num_threads(self.config.thread_budget)
         gc.collect()  # the manager is a reference cycle: its buffers are freed here, not at some later GC
         return_freed_heap()
 

@@ -32,18 +32,19 @@ import torch
 from moetray.engine.experts.hf import ExpertsModule
 from moetray.engine.experts.int8 import Int8Layout
 from moetray.engine.experts.store import ExpertGeometry
+from moetray.policy.step_threads import DECODE_STEP_TOKENS
 
 __all__ = ["FUSED_DTYPES", "FUSED_MAX_TOKENS", "FusedExperts", "PoolViews", "compile_failure",
            "compile_kernel", "fused_refusal"]
 
 log = logging.getLogger(__name__)
 
-FUSED_MAX_TOKENS = 8
-"""Tokens per layer call up to which the compiled kernel computes the call (decode of up to 8
-requests). Measured on the demo (30 layers of 12-of-16 experts, bfloat16, 2 cores) in one
-process: the kernel took 4-5 ms a step at batch 1 and 17 ms at batch 8, against 21.5 ms and
-~50 ms for the grouped GEMMs; past 8 tokens a prefill chunk's groups have many rows each and
-the GEMMs read each expert once."""
+FUSED_MAX_TOKENS = DECODE_STEP_TOKENS
+"""Tokens per layer call up to which the compiled kernel computes the call (a decode step of up
+to 8 requests, :data:`~moetray.policy.step_threads.DECODE_STEP_TOKENS`). Measured on the demo
+(30 layers of 12-of-16 experts, bfloat16, 2 cores) in one process: the kernel took 4-5 ms a step
+at batch 1 and 17 ms at batch 8, against 21.5 ms and ~50 ms for the grouped GEMMs; past 8 tokens
+a prefill chunk's groups have many rows each and the GEMMs read each expert once."""
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 """Float slot dtypes the kernel serves (int8 rows too); float32 stays on the exact grouped path."""
@@ -131,7 +132,9 @@ def _experts(module: ExpertsModule, states: torch.Tensor, slots: torch.Tensor, w
     return (out * weights.unsqueeze(-1).float()).sum(1).to(states.dtype)
 
 
-_compiled = torch.compile(_experts, fullgraph=True)
+_compiled = torch.compile(_experts, fullgraph=True, options={"cpp.threads": 1})
+"""One thread, no OpenMP region to wake: the kernel serves decode steps, which run on one intra-op
+thread where it serves (:mod:`moetray.policy.step_threads`)."""
 
 
 class FusedExperts:

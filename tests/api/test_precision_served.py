@@ -59,6 +59,10 @@ def test_float32_checkpoint_stays_float32_under_auto(live):
     """The tiny test checkpoints are float32: auto keeps them exact (the token-identity reference)."""
     model = live.status()["model"]
     assert (model["dtype"], model["weights"]) == ("float32", "float32")
+    # float32 keeps its thread budget on every step (its GEMMs split as the reference's do).
+    _chat(live, 3)
+    runner = live.engine.pools.runner
+    assert runner.step_threads == runner.config.thread_budget
 
 
 def test_int8_serves_and_says_so(tiny_qwen3, start_engine):
@@ -71,6 +75,8 @@ def test_int8_serves_and_says_so(tiny_qwen3, start_engine):
     # The served request's decode steps went through the kernel (5 steps after the prefill's token).
     runtime = engine.engine.pools.runtime
     assert runtime.fused.calls >= 5 * runtime.num_layers
+    # ... and ran on one intra-op thread (policy.step_threads: the kernel serves, so the rule applies).
+    assert engine.engine.pools.runner.step_threads == 1
 
 
 def test_step_breakdown_counts_a_served_request(tiny_qwen3, start_engine):
