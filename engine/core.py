@@ -72,6 +72,7 @@ class EngineOptions:
     top_k: int | None = None
     expert_policy: str | None = None
     link_gbps: float | None = None
+    compile_decode: bool = True  # small decode batches' experts run the compiled kernel (experts/fused.py)
     outbox_dir: Path | None = None
     rebuild_idle_timeout_s: float = 30.0
     model_aliases: tuple[str, ...] = ()  # more names /v1/* accepts besides the id, "default", the folder

@@ -78,6 +78,9 @@ class ServedModel:
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "weights": self.loaded.format.weights,
             "dtype_reason": self.loaded.format.reason,
+            "decode_kernel": self.loaded.runtime.decode_kernel,
+            "decode_kernel_reason": self.loaded.runtime.decode_kernel_reason,
+            "compiled_blocks": self.loaded.runtime.blocks_reason is None,
             "context_length": info.context_length if context_length is None else context_length,
         }
 
@@ -120,6 +123,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         progress=progress,
         link_gbps=opts.link_gbps,
         policy=opts.expert_policy,
+        compile_decode=opts.compile_decode,
     )
     runtime = loaded.runtime
     dtype = loaded.dtype  # activations and the KV cache
@@ -187,8 +191,15 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     gc.freeze()
     pools = Pools(loaded.model, runtime, budget, measured, settings, trained_context=info.context_length)
     pools.open(sizes, progress)
+    progress("compiling the decode step", 0, None)
+    runtime.warm_up()
+    if runtime.fused is not None:
+        from moetray.engine.experts.blocks import compile_blocks
+
+        runtime.blocks_reason = compile_blocks(loaded.model, runtime, runtime.hidden_size)
     # Loading freed what it only needed on the way (dequantized and full-precision copies of the
-    # weights, ``--dtype int8``'s float32 staging); glibc keeps freed heap resident for reuse, so
-    # hand it back: 113 MiB of the demo's Q8_0 file served as int8, 20-25 MiB in float32/bfloat16.
+    # weights, ``--dtype int8``'s float32 staging, the decode step's warm-up); glibc keeps freed
+    # heap resident for reuse, so hand it back: 113 MiB of the demo's Q8_0 file served as int8,
+    # 64-76 MiB of its F16/Q8_0 files served in float32.
     return_freed_heap()
     return ServedModel(loaded, chat, eos_ids, prefix_policy), pools

@@ -163,6 +163,12 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         help="with --test-hooks: hold every batch step this long (tests only)",
     )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="compute a decode step's experts with the grouped GEMMs, not the compiled kernel "
+        "(16-bit and int8 formats on the CPU compile it at start)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -201,6 +207,7 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         top_k=args.top_k,
         expert_policy=args.expert_policy,
         link_gbps=args.link_gbps,
+        compile_decode=not args.no_compile,
         outbox_dir=args.outbox_dir,
         rebuild_idle_timeout_s=args.rebuild_idle_timeout,
         model_aliases=tuple(args.model_alias),

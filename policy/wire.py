@@ -267,6 +267,10 @@ class ModelInfo(TypedDict):
     dtype: str  # activations and KV cache: "float32" | "bfloat16" | "float16"
     weights: str  # "float32" | "bfloat16" | "float16" | "int8" (policy.precision.ServingFormat)
     dtype_reason: str  # why: "--dtype …" or what auto saw ("auto: the checkpoint's bfloat16, computed …")
+    decode_kernel: str  # a small decode batch's experts: "compiled" (engine/experts/fused.py) or the
+    # grouped path's compute mode ("grouped_mm", "eager")
+    decode_kernel_reason: str | None  # why not compiled; None when compiled
+    compiled_blocks: bool  # the MoE blocks and norms around the experts compiled too (experts/blocks.py)
     context_length: int | None
 
 

@@ -22,8 +22,12 @@ Measured per format and batch:
   other forward, sampler, scheduler/ledger, outputs, on the generation thread; HTTP, SSE and
   detokenization as the event-loop thread's CPU ms per step;
 - **correctness**: each reduced-precision format against float32 on the demo's held-out text
-  (teacher-forced: max and mean |Δlogit|, argmax agreement) and greedy agreement on chat
-  prompts.
+  (teacher-forced in chunks of ``FUSED_MAX_TOKENS`` tokens over the KV cache, so the compiled
+  decode kernel computes them as it computes decode steps: max and mean |Δlogit|, argmax
+  agreement) and greedy agreement on chat prompts.
+
+A spec ``FORMAT:grouped`` serves that format with ``--no-compile`` beside the compiled one
+(default: ``bfloat16:grouped``), so the compiled decode kernel's gain is measured in the same rounds.
 
 ``--peer LABEL=URL`` (repeatable) measures another OpenAI-compatible server that is already
 running (for example llama.cpp's) with the same client in the same rounds, and reports the
@@ -60,7 +64,19 @@ if TYPE_CHECKING:
     from moetray.engine.bench.breakdown import StepBreakdown
 
 GB = 1e9
-DEFAULT_FORMATS = "float32,bfloat16,int8"
+DEFAULT_FORMATS = "float32,bfloat16,bfloat16:grouped,int8"
+GROUPED = ":grouped"
+"""A format spec's suffix: that format served with ``--no-compile`` (the grouped GEMMs at every batch),
+so the compiled decode kernel's gain is a ratio from the same rounds."""
+
+
+def format_spec(spec: str) -> tuple[str, str, bool]:
+    """``"bfloat16:grouped"`` → ``("bfloat16 (grouped GEMMs)", "bfloat16", False)``: label, format,
+    whether the decode kernel is compiled."""
+    if spec.endswith(GROUPED):
+        fmt = spec.removesuffix(GROUPED)
+        return f"{fmt} (grouped GEMMs)", fmt, False
+    return spec, spec, True
 
 
 def _progress(msg: str) -> None:
@@ -219,6 +235,7 @@ def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512, 
 
     from moetray.engine.bench.demo_quality import CHAT_PROMPTS, heldout_ids
     from moetray.engine.experts import load_offloaded_model
+    from moetray.engine.experts.fused import FUSED_MAX_TOKENS
     from moetray.engine.models.checkpoint import (
         apply_top_k,
         inspect_checkpoint,
@@ -236,23 +253,35 @@ def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512, 
     every = inspect_checkpoint(model_dir).max_moe_slots
     cpu = torch.device("cpu")
 
-    def load(fmt: str):
+    def load(spec: str):
+        _, fmt, compiled = format_spec(spec)
         chosen = resolve_format(fmt, model_dir, cpu)
         off = load_offloaded_model(model_dir, dtype=torch_dtype(chosen.compute), capacity=every,
-                                   expert_format="int8" if chosen.weights == "int8" else None)
+                                   expert_format="int8" if chosen.weights == "int8" else None,
+                                   compile_decode=compiled)
         apply_format(chosen, off.model, cpu)
         if top_k:
             apply_top_k(off.model, off.runtime, top_k)
+        off.runtime.warm_up()
         return off.model
 
     def load_file(path: Path):
         info = inspect_checkpoint(path)
-        return load_checkpoint(info, device=cpu, fmt=serving_format("int8", info, cpu), capacity=every,
-                               top_k=top_k or info.top_k, progress=lambda *_: None).model
+        loaded = load_checkpoint(info, device=cpu, fmt=serving_format("int8", info, cpu), capacity=every,
+                                 top_k=top_k or info.top_k, progress=lambda *_: None, compile_decode=True)
+        loaded.runtime.warm_up()
+        return loaded.model
 
     def logits(model) -> torch.Tensor:
+        """Teacher-forced over the KV cache in decode-sized chunks (the decode kernel's batches)."""
+        out, cache = [], None
         with torch.no_grad():
-            return model(torch.tensor([ids])).logits[0].float()
+            for i in range(0, len(ids), FUSED_MAX_TOKENS):
+                chunk = torch.tensor([ids[i:i + FUSED_MAX_TOKENS]])
+                step = model(chunk, cache=cache, use_cache=True)
+                cache = step.cache
+                out.append(step.logits[0].float())
+        return torch.cat(out)
 
     def greedy(model) -> list[list[int]]:
         out = []
@@ -271,7 +300,7 @@ def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512, 
     report: dict[str, Any] = {"heldout_tokens": len(ids), "chat_prompts": len(CHAT_PROMPTS),
                               "chat_tokens": chat_tokens, "formats": {}}
     candidates: dict[str, Callable[[], Any]] = {
-        fmt: functools.partial(load, fmt) for fmt in formats if fmt != "float32"
+        format_spec(spec)[0]: functools.partial(load, spec) for spec in formats if spec != "float32"
     }
     if q8_file is not None:
         candidates[Q8_FILE] = functools.partial(load_file, q8_file)
@@ -305,7 +334,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moetray bench decode", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=None, help="checkpoint (default: the embedded demo model)")
     p.add_argument("--dtype", default=DEFAULT_FORMATS,
-                   help="weight formats, comma-separated: float32, bfloat16, float16, int8")
+                   help="weight formats, comma-separated: float32, bfloat16, float16, int8; FORMAT:grouped "
+                   "serves FORMAT with --no-compile too (the compiled decode kernel's gain, same rounds)")
     p.add_argument("--batch", default="1,4,8", help="concurrent requests (decode batch), comma-separated")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
@@ -365,14 +395,15 @@ def main(argv: list[str]) -> int:
             llamas.append(LlamaServer(label, path, threads=args.threads))
         for server in llamas:
             server.wait_ready()
-        for fmt in formats:
-            _progress(f"loading {fmt}")
+        for spec in formats:
+            label, fmt, compiled = format_spec(spec)
+            _progress(f"loading {label}")
             served = ServedEngine(model_dir, fmt, kv_tokens=max(batches) * (args.max_tokens + 128) * 2,
-                                  max_requests=max(batches))
+                                  max_requests=max(batches), compile_decode=compiled)
             served.wait_serving()
-            engines[fmt] = served
+            engines[label] = served
         q8_file = next((path for label, path in llama_files if label == EQUAL_BYTES[Q8_FILE]), None)
-        if q8_file is not None and "int8" in formats:  # the same Q8_0 file llama.cpp serves
+        if q8_file is not None and "int8" in engines:  # the same Q8_0 file llama.cpp serves
             _progress(f"loading int8 from {q8_file.name}")
             served = ServedEngine(q8_file, "int8", kv_tokens=max(batches) * (args.max_tokens + 128) * 2,
                                   max_requests=max(batches))
@@ -561,6 +592,7 @@ def render(summary: list[dict[str, Any]], *, peers: list[str], quality: dict[str
                 r2 = _ratio(e["aggregate_tok_s"], base["aggregate_tok_s"])
                 ratios.append(f"{e['label']} {r1:.2f}× / {r2:.2f}×" if r1 and r2 else f"{e['label']} —")
             notes.append(f"vs {peer} at batch {batch} (per request / aggregate): " + "; ".join(ratios) + ".")
+    notes.append(kernel_gain_note(summary))
     notes.append("reproduce: `.venv/bin/moetray bench decode" + (" " + " ".join(argv) if argv else "") + "`")
     return table, notes
 
@@ -600,6 +632,24 @@ def goals(summary: list[dict[str, Any]], served: str | None) -> dict[str, Any]:
         "ratio": None, "met": None,
         "note": "not measured: this run's engines share its process; `moetray bench peer` measures it"}
     return out
+
+
+def kernel_gain_note(summary: list[dict[str, Any]]) -> str:
+    """The compiled decode kernel against the grouped GEMMs, per format and batch, from the same rounds."""
+    parts = []
+    for e in summary:
+        if not e["label"].endswith(" (grouped GEMMs)"):
+            continue
+        base = e["label"].removesuffix(" (grouped GEMMs)")
+        ours = next((b for b in summary if b["label"] == base and b["batch"] == e["batch"]), None)
+        if ours is None:
+            continue
+        r = _ratio(ours["aggregate_tok_s"], e["aggregate_tok_s"])
+        s = _ratio((ours.get("step_ms") or {}).get("experts"), (e.get("step_ms") or {}).get("experts"))
+        if r is not None:
+            parts.append(f"{base} b{e['batch']} {r:.2f}× tok/s" + (f", experts ms {s:.2f}×" if s else ""))
+    return ("Compiled decode kernel ÷ grouped GEMMs (aggregate tok/s; a step's experts ms), same rounds: "
+            + ("; ".join(parts) if parts else "not measured") + ".")
 
 
 def cpu_per_token_note(summary: list[dict[str, Any]]) -> str:

@@ -32,14 +32,15 @@ class ServedEngine:
     server on its own thread so the bench can read the engine's insides while it serves.
     """
 
-    def __init__(self, model_dir: Path | None, fmt: str, *, kv_tokens: int, max_requests: int) -> None:
+    def __init__(self, model_dir: Path | None, fmt: str, *, kv_tokens: int, max_requests: int,
+                 compile_decode: bool = True) -> None:
         from moetray.engine.api.security import Credentials, HostPolicy
         from moetray.engine.core import Engine, EngineOptions
         from moetray.engine.serve import bind_socket, make_server
 
         self.format = fmt
         opts = EngineOptions(model_dir=model_dir, dtype=fmt, kv_tokens=kv_tokens, budget_bytes=4 << 30,
-                             max_requests_per_batch=max_requests)
+                             max_requests_per_batch=max_requests, compile_decode=compile_decode)
         self.engine = Engine(opts)
         self.engine.options.moe_capacity = None
         server = make_server(self.engine, Credentials(admin_token="bench", api_key=None, token_file=None),

@@ -9,7 +9,8 @@ Public API (stable; the engine server calls these)::
 
     load_offloaded_model(checkpoint_dir, *, device="cpu", dtype=None, capacity,
                          policy=None, fetch_fraction=None, cpu_layers=None,
-                         link_gbps=None, progress=None, compute=None) -> OffloadedModel
+                         link_gbps=None, progress=None, compute=None, expert_format=None,
+                         compile_decode=False) -> OffloadedModel
     load_resident_model(checkpoint_dir, *, device="cpu", dtype=None,
                         experts_implementation="grouped_mm") -> transformers model
 
@@ -22,6 +23,8 @@ Public API (stable; the engine server calls these)::
     ExpertRuntime.num_layers, .num_experts, .top_k     geometry (MoE layers only)
     ExpertRuntime.compute                              "grouped_mm" (default) or "eager": the stock
                                                        implementation it equals bit for bit (fp32)
+    ExpertRuntime.warm_up()                            compile the decode kernel (when it may serve)
+    ExpertRuntime.decode_kernel, .decode_kernel_reason "compiled" or the compute mode, and why not
     ExpertRuntime.capacity                             slots in the pool now
     ExpertRuntime.bytes_per_slot                       device bytes per slot (one expert)
     ExpertRuntime.resize(capacity, mark_teardown=None) -> dict
@@ -120,7 +123,8 @@ def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.devi
                          cpu_layers: str | None = None, link_gbps: float | None = None,
                          progress: Callable[[str, int, int | None], None] | None = None,
                          allocate: Callable[..., torch.Tensor] | None = None,
-                         compute: str | None = None, expert_format: str | None = None) -> OffloadedModel:
+                         compute: str | None = None, expert_format: str | None = None,
+                         compile_decode: bool = False) -> OffloadedModel:
     """Load ``checkpoint_dir`` with its routed experts in the host store and ``capacity`` device slots.
 
     ``compute`` names the stock experts implementation whose arithmetic the runtime
@@ -128,6 +132,8 @@ def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.devi
     ``"eager"``); an unknown name is refused (:class:`UnknownComputeMode`) before anything
     is read. ``expert_format="int8"`` keeps the experts as int8 rows computed by the weight-only
     int8 kernel (:mod:`moetray.engine.experts.int8`); None keeps them in ``dtype``.
+    ``compile_decode`` lets small batches of a lossy format (16-bit, int8) on the CPU run the
+    compiled kernel (:mod:`moetray.engine.experts.fused`) once ``runtime.warm_up()`` built it.
     ``progress(stage, done, total)`` reports loading. ``allocate(shape, dtype, device)``
     replaces the slot pool's allocator (fault injection). Raises :class:`LoaderError`,
     :class:`ExpertStoreError`, or the planner's ``CacheRefused`` for a bad capacity or
@@ -140,14 +146,16 @@ def load_offloaded_model(checkpoint_dir: str | Path, *, device: str | torch.devi
                                                     pin=False, progress=progress)
     return offload_loaded(model, store, modules, device=dev, capacity=capacity, policy=policy,
                           fetch_fraction=fetch_fraction, cpu_layers=cpu_layers, link_gbps=link_gbps,
-                          allocate=allocate, compute=compute, expert_format=expert_format)
+                          allocate=allocate, compute=compute, expert_format=expert_format,
+                          compile_decode=compile_decode)
 
 
 def offload_loaded(model, store: ExpertStore, modules: list[torch.nn.Module], *, device: torch.device,
                    capacity: int, policy: str | None = None, fetch_fraction: float | None = None,
                    cpu_layers: str | None = None, link_gbps: float | None = None,
                    allocate: Callable[..., torch.Tensor] | None = None,
-                   compute: str | None = None, expert_format: str | None = None) -> OffloadedModel:
+                   compute: str | None = None, expert_format: str | None = None,
+                   compile_decode: bool = False) -> OffloadedModel:
     """Put a loaded skeleton (non-expert weights on ``device``, Experts modules empty) and its
     expert store behind the ``"moetray"`` runtime: the second half of :func:`load_offloaded_model`,
     shared with the quantized-format loaders (``moetray.engine.models.gguf``). The q* split is
@@ -172,7 +180,7 @@ def offload_loaded(model, store: ExpertStore, modules: list[torch.nn.Module], *,
     store.banks_replaced()
     runtime = ExpertRuntime(store, device=dev, capacity=capacity, top_k=top_k, policy=policy,
                             qstar=qstar, cpu_layers=cpu, link_gbps=link_gbps, allocate=allocate,
-                            compute=compute)
+                            compute=compute, compile_decode=compile_decode)
     runtime.host_residency = [None if c is None else c.value for c in residency.achieved_labels()]
     attach(modules, runtime)
     model.set_experts_implementation(IMPLEMENTATION_NAME)

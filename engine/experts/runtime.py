@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moetray.engine.experts.fused import FUSED_MAX_TOKENS, FusedExperts, compile_kernel, fused_refusal
 from moetray.engine.experts.grouped import Operands, grouped_output, operands, project
 from moetray.engine.experts.hf import (
     DEFAULT_APPLY_GATE,
@@ -133,7 +134,8 @@ class ExpertRuntime:
     def __init__(self, store: ExpertStore, *, device: torch.device, capacity: int, top_k: int,
                  policy: str | None = None, qstar: Any = None, cpu_layers: frozenset[int] = frozenset(),
                  link_gbps: float | None = None, window_steps: int = 64,
-                 allocate: Callable[..., torch.Tensor] | None = None, compute: str | None = None):
+                 allocate: Callable[..., torch.Tensor] | None = None, compute: str | None = None,
+                 compile_decode: bool = False):
         self.compute = check_compute(compute)
         self._int8 = isinstance(store, Int8ExpertStore)
         if self._int8 and self.compute != "grouped_mm":
@@ -176,6 +178,41 @@ class ExpertRuntime:
         self.trace: list[tuple[int, tuple[int, ...]]] | None = None
         self.host_residency: list[str | None] = [None] * self.num_layers  # set by the loader
         self._fault: str | None = None
+        self.fused: FusedExperts | None = None  # the compiled decode kernel, once warm_up built it
+        self.decode_kernel_reason = self._fused_refusal(compile_decode)
+        self.modules: list[Any] = []  # the Experts modules in MoE-layer order, set by attach()
+        self.blocks_reason: str | None = "not compiled"  # why the MoE blocks run eager (experts/blocks.py)
+
+    def _fused_refusal(self, wanted: bool) -> str | None:
+        if not wanted:
+            return "off (--no-compile)"
+        if self.compute != "grouped_mm":
+            return f"the {self.compute} arithmetic was asked for"
+        return fused_refusal(device=self.device, slot_dtype=self.store.slot_dtype, int8=self._int8,
+                             host_share=self.qstar is not None or bool(self.cpu_layers))
+
+    @property
+    def decode_kernel(self) -> str:
+        """``"compiled"`` when small batches run the compiled kernel, else ``"grouped"``."""
+        return "compiled" if self.fused is not None else self.compute
+
+    def warm_up(self) -> None:
+        """Compile the decode kernel now, where it may serve (see :mod:`~moetray.engine.experts.fused`);
+        a failed compilation is logged and leaves the grouped path (``decode_kernel_reason``)."""
+        if self.decode_kernel_reason is not None or self.fused is not None or not self.modules:
+            return
+        with self._lock:
+            layout = self.store.layout if isinstance(self.store, Int8ExpertStore) else None
+            self.fused, self.decode_kernel_reason = compile_kernel(
+                self.modules[0], self.geometry, layout, self.pool.rows,
+                hidden=self.hidden_size, dtype=self.store.dtype, top_k=self.top_k)
+
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size (the down projection's output features)."""
+        geo = self.geometry
+        down = next(seg for seg in geo.segments if seg.name == "down_proj").shape  # [out, in] or transposed
+        return down[1] if geo.is_transposed else down[0]
 
     # --- geometry ------------------------------------------------------------------------
 
@@ -208,7 +245,8 @@ class ExpertRuntime:
         return self._forward_eager(module, layer, hidden_states, top_k_index, top_k_weights)
 
     def _forward_grouped(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
-                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                         fused: bool = True) -> torch.Tensor:
         """The stock ``grouped_mm`` implementation's arithmetic over the slot pool.
 
         Token-expert pairs are ordered by the same ``torch.sort`` the stock path uses; each
@@ -220,6 +258,9 @@ class ExpertRuntime:
         CPU the output is bit-identical to ``grouped_mm`` with every expert resident.
         """
         num_tokens, num_top_k = top_k_index.shape
+        if (fused and self.fused is not None and num_tokens <= FUSED_MAX_TOKENS
+                and not torch.is_grad_enabled()):
+            return self._forward_fused(module, layer, hidden_states, top_k_index, top_k_weights)
         pairs = num_tokens * num_top_k
         hidden_dim = hidden_states.shape[-1]
         num_experts = self.num_experts
@@ -280,6 +321,31 @@ class ExpertRuntime:
         restored = torch.empty((pairs, hidden_dim), dtype=weighted.dtype, device=weighted.device)
         restored.index_copy_(0, perm, weighted)
         return restored.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+    def _forward_fused(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
+                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """A small batch through the compiled kernel: plan and copy as the grouped path does, then
+        one kernel call over every token-expert pair's slot (every routed expert has one here:
+        the kernel serves no host share)."""
+        pairs = top_k_index.tolist()  # the call's one host read of the routing
+        routed = sorted({expert for row in pairs for expert in row})
+        if routed and routed[-1] >= self.num_experts:  # expert-parallel sentinels: the grouped path skips
+            return self._forward_grouped(module, layer, hidden_states, top_k_index, top_k_weights,
+                                         fused=False)
+        with self._lock:  # held for the whole call: a resize never swaps rows mid-compute
+            plan = self._plan(layer, routed)
+            moved = self.pool.bytes_copied
+            try:
+                self.slots.apply(plan)
+            except SlotDeviceError as exc:
+                self._forget_plan(plan, exc)
+                raise
+            self._record(layer, plan, self.pool.bytes_copied - moved, len(pairs))
+            slot_of = dict(zip(routed, plan.slots, strict=True))
+            slots = torch.tensor([[slot_of[e] for e in row] for row in pairs], dtype=torch.long)
+            kernel = self.fused
+            assert kernel is not None, "forward() takes this path only with a kernel"
+            return kernel(module, hidden_states, slots, top_k_weights)
 
     def _host_expert(self, module: ExpertsModule, ops: Operands, states: torch.Tensor) -> torch.Tensor:
         """One expert of the CPU share on a CUDA device: computed by the CPU from the host store."""
@@ -456,6 +522,14 @@ class ExpertRuntime:
                 "expert_store_format": self.store.format,
             }
 
+    def forget_warm_up(self) -> None:
+        """Zero what a load-time warm-up call counted (hits, misses, bytes, tokens, the window), so
+        the telemetry counts requests only; residency stays (the experts are where they are)."""
+        with self._lock:
+            self.reset_window()
+            self.cache.reset_stats()
+            self.total_bytes = self.total_tokens = self.calls = 0
+
     def reset_window(self) -> None:
         """Empty the sliding window (totals, residency and recency are kept)."""
         with self._lock:
@@ -528,6 +602,8 @@ class ExpertRuntime:
             finally:
                 self._slot_views = self._unpack_slots()
                 self._slot_mats = self._gemm_operands()
+                if self.fused is not None:
+                    self.fused.bind(self.pool.rows)
             return {"old_capacity": old, "capacity": capacity, "kept": self.cache.resident_count,
                     "dropped": len(plan.dropped), "moved": len(plan.moves)}
 
@@ -589,9 +665,11 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 # --- the registered experts implementation ----------------------------------------------------
 
 
+@torch.compiler.disable  # a compiled MoE block breaks its graph here (experts/blocks.py)
 def moetray_experts_forward(self: ExpertsModule, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers experts-interface entry point: ``[T, H], [T, k], [T, k] → [T, H]``."""
+    """transformers experts-interface entry point: ``[T, H], [T, k], [T, k] → [T, H]``; never traced
+    by dynamo (planning and copies are Python with a lock; the experts' kernel is compiled on its own)."""
     runtime: ExpertRuntime | None = getattr(self, _RUNTIME_ATTR, None)
     if runtime is None:
         raise RuntimeError(f"{type(self).__name__} is not attached to a moetray ExpertRuntime; "
@@ -609,3 +687,4 @@ def attach(modules: list[torch.nn.Module], runtime: ExpertRuntime) -> None:
     for layer, module in enumerate(modules):
         setattr(module, _RUNTIME_ATTR, runtime)
         setattr(module, _LAYER_ATTR, layer)
+    runtime.modules = list(modules)

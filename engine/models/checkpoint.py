@@ -259,6 +259,7 @@ def load_checkpoint(
     progress: Progress,
     link_gbps: float | None = None,
     policy: str | None = None,
+    compile_decode: bool = False,
 ) -> LoadedModel:
     """Loads the model with its experts offloaded (``capacity`` device slots) in the serving format
     ``fmt`` (:func:`serving_format`) and applies ``top_k``.
@@ -278,7 +279,7 @@ def load_checkpoint(
         tokenizer = load_gguf_tokenizer(info.gguf)
         model, store, modules = load_gguf(info.gguf, device=device, dtype=dtype, progress=progress)
         offloaded = offload_loaded(model, store, modules, device=device, capacity=capacity, policy=policy,
-                                   link_gbps=link_gbps, expert_format=experts)
+                                   link_gbps=link_gbps, expert_format=experts, compile_decode=compile_decode)
     else:
         tokenizer = load_tokenizer(info.path)
         offloaded = load_offloaded_model(
@@ -290,6 +291,7 @@ def load_checkpoint(
             link_gbps=link_gbps,
             progress=progress,
             expert_format=experts,
+            compile_decode=compile_decode,
         )
     model = offloaded.model.eval()
     apply_format(fmt, model, device)

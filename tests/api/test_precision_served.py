@@ -47,6 +47,9 @@ def test_auto_follows_the_checkpoint_and_this_cpu(tiny_qwen3, tmp_path, start_en
     model = engine.status()["model"]
     assert model["dtype"] == expected and model["weights"] == expected
     assert model["dtype_reason"].startswith("auto:")
+    # Issue 15: a lossy format's decode steps run the compiled kernel; float32 stays exact.
+    assert model["decode_kernel"] == ("compiled" if expected == "bfloat16" else "grouped_mm")
+    assert (model["decode_kernel_reason"] is None) == (expected == "bfloat16")
     cache = engine.engine.pools.runner.manager.batch_processor.cache
     assert cache.dtype == getattr(torch, expected)
     assert _chat(engine)["usage"]["completion_tokens"] == 6
@@ -63,7 +66,11 @@ def test_int8_serves_and_says_so(tiny_qwen3, start_engine):
     model = engine.status()["model"]
     assert (model["dtype"], model["weights"]) == ("bfloat16", "int8")
     assert model["dtype_reason"] == "--dtype int8: weight-only int8 on bfloat16 activations"
+    assert model["decode_kernel"] == "compiled" and model["compiled_blocks"] is True
     assert _chat(engine)["usage"]["completion_tokens"] == 6
+    # The served request's decode steps went through the kernel (5 steps after the prefill's token).
+    runtime = engine.engine.pools.runtime
+    assert runtime.fused.calls >= 5 * runtime.num_layers
 
 
 def test_step_breakdown_counts_a_served_request(tiny_qwen3, start_engine):
@@ -103,20 +110,25 @@ def test_bench_decode_runs_end_to_end_at_toy_size(tiny_qwen3, tmp_path, monkeypa
     from moetray.engine.bench.results import RESULTS_DIR_ENV
 
     monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path / "results"))
-    assert decode.main(["--model", str(tiny_qwen3), "--dtype", "float32,int8", "--batch", "1,2",
+    assert decode.main(["--model", str(tiny_qwen3), "--dtype", "float32,int8,int8:grouped", "--batch", "1,2",
                         "--rounds", "1", "--max-tokens", "5", "--threads", "1", "--no-llama",
                         "--no-quality"]) == 0
     receipt = json.loads((tmp_path / "results" / "decode.json").read_text())
     summary = {(e["label"], e["batch"]): e for e in receipt["results"]["summary"]}
-    assert set(summary) == {("float32", 1), ("float32", 2), ("int8", 1), ("int8", 2)}
+    grouped = "int8 (grouped GEMMs)"  # the same format with --no-compile, beside it in the same rounds
+    assert set(summary) == {(label, b) for label in ("float32", "int8", grouped) for b in (1, 2)}
     for e in summary.values():
         assert e["aggregate_tok_s"] > 0 and e["bytes_per_token"] > 0 and e["bound_tok_s"] > 0
         assert e["step_ms"]["step"] > 0 and e["server_cpu_ms_per_token"] > 0
     assert summary[("int8", 1)]["bytes_per_token"] < summary[("float32", 1)]["bytes_per_token"]
-    assert receipt["results"]["dtypes"] == {"float32": "float32", "int8": "bfloat16"}
+    assert receipt["results"]["dtypes"] == {"float32": "float32", "int8": "bfloat16", grouped: "bfloat16"}
+    assert any(note.startswith("Compiled decode kernel ÷ grouped GEMMs") and "int8 b1 " in note
+               for note in receipt["notes"])
     assert "float32_fraction_of_bound_ge_0.8" in receipt["results"]["goals"]
 
-    quality = decode.precision_report(tiny_qwen3, ["float32", "int8"], tokens=24, chat_tokens=4)
+    quality = decode.precision_report(tiny_qwen3, ["float32", "int8", "int8:grouped"], tokens=24,
+                                      chat_tokens=4)
+    assert set(quality["formats"]) == {"int8", grouped}
     q = quality["formats"]["int8"]
     assert 0 <= q["argmax_agreement"] <= 1 and q["max_abs_logit_diff"] >= q["mean_abs_logit_diff"] >= 0
     assert len(q["greedy_prefix_tokens"]) == quality["chat_prompts"]

@@ -1,0 +1,160 @@
+"""The compiled decode kernel (engine/experts/fused.py) on real tiny MoEs: close to float32 where the
+grouped path is, taken by decode steps only (a counter), rebound by a resize, refused for float32,
+and replaced by the grouped GEMMs when compilation fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetray.engine.experts import load_offloaded_model
+from moetray.engine.experts.fused import FUSED_MAX_TOKENS
+
+FAMILIES = [("qwen3_moe", "per_expert"), ("gpt_oss", "fused")]  # stock SwiGLU; biased, transposed, clamped
+
+
+def _runtime(path, *, dtype=torch.bfloat16, capacity=16, expert_format=None, compile_decode=True):
+    off = load_offloaded_model(path, dtype=dtype, capacity=capacity, expert_format=expert_format,
+                               compile_decode=compile_decode)
+    off.runtime.warm_up()
+    return off
+
+
+def _call(runtime, layer: int, tokens: int, seed: int, dtype=torch.bfloat16):
+    """One layer call's inputs: random states, distinct routed experts per token, softmaxed weights."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = runtime.hidden_size
+    states = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    index = torch.stack([torch.randperm(runtime.num_experts, generator=gen)[:runtime.top_k]
+                         for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, runtime.top_k, generator=gen), -1).to(dtype)
+    return runtime.modules[layer], layer, states, index, weights
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize(("family", "layout"), FAMILIES)
+@pytest.mark.parametrize("expert_format", [None, "int8"])
+def test_the_kernel_is_as_close_to_float32_as_the_grouped_path(tiny_moe, family, layout, expert_format):
+    """A layer call of 1, 3 and 8 tokens through the kernel against the float32 model's experts:
+    its error is of the grouped path's size (both read the same 16-bit or int8 weights). Prevents:
+    a wrong slot, gate, bias, scale or transposition in the kernel (each is far off, not close)."""
+    path = tiny_moe(family, layout)
+    off = _runtime(path, expert_format=expert_format)
+    rt = off.runtime
+    assert rt.decode_kernel == "compiled", rt.decode_kernel_reason
+    ref = load_offloaded_model(path, dtype=torch.float32, capacity=16).runtime
+    with torch.no_grad():
+        for tokens in (1, 3, FUSED_MAX_TOKENS):
+            module, layer, states, index, weights = _call(rt, 1, tokens, seed=tokens)
+            before = rt.fused.calls
+            fused = rt.forward(module, layer, states, index, weights)
+            assert rt.fused.calls == before + 1
+            grouped = rt._forward_grouped(module, layer, states, index, weights, fused=False)
+            exact = ref.forward(ref.modules[1], layer, states.float(), index, weights.float())
+            assert fused.dtype == states.dtype and fused.shape == states.shape
+            assert _rel(fused, exact) <= 2 * _rel(grouped, exact) + 0.01, (tokens, _rel(fused, exact),
+                                                                          _rel(grouped, exact))
+
+
+def test_decode_steps_take_the_kernel_and_prefill_the_grouped_path(tiny_moe):
+    """generate(): a 12-token prompt's prefill (more than FUSED_MAX_TOKENS) runs the grouped GEMMs,
+    each of the 5 decode steps runs the kernel once per MoE layer. Prevents: the kernel never
+    wired in, or wired into prefill chunks it would read many times over."""
+    off = _runtime(tiny_moe("qwen3_moe", "per_expert"))
+    rt = off.runtime
+    ids = torch.tensor([list(range(3, 15))])
+    with torch.no_grad():
+        out = off.model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    assert out.shape[1] == 12 + 6
+    assert rt.fused.calls == 5 * rt.num_layers
+    assert sum(s.hits + s.misses for s in rt.cache.per_layer_stats()) > 0  # the plan still counts
+
+
+def test_a_resize_rebinds_the_kernel_without_recompiling(tiny_moe):
+    """After a re-split to fewer slots (misses now copy into slots), the kernel reads the new pool:
+    its output still matches the grouped path's size of error, and no new graph was compiled (the
+    capacity is symbolic). Prevents: the kernel reading the freed pool, or a re-split stalling the
+    next step for a compilation."""
+    from torch._dynamo.utils import counters
+
+    path = tiny_moe("qwen3_moe", "per_expert")
+    off = _runtime(path)
+    rt = off.runtime
+    ref = load_offloaded_model(path, dtype=torch.float32, capacity=16).runtime
+    graphs = counters["stats"]["unique_graphs"]
+    rt.resize(5)
+    with torch.no_grad():
+        for seed in range(3):
+            module, layer, states, index, weights = _call(rt, seed % rt.num_layers, 2, seed=seed)
+            fused = rt.forward(module, layer, states, index, weights)
+            grouped = rt._forward_grouped(module, layer, states, index, weights, fused=False)
+            exact = ref.forward(ref.modules[layer], layer, states.float(), index, weights.float())
+            assert _rel(fused, exact) <= 2 * _rel(grouped, exact) + 0.01
+    assert counters["stats"]["unique_graphs"] == graphs
+    rt.check_integrity(deep=True)
+
+
+def test_float32_stays_on_the_exact_grouped_path(tiny_moe):
+    """float32 is the token-identity reference: the kernel is refused, with the reason shown."""
+    rt = _runtime(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.float32).runtime
+    assert rt.fused is None and rt.decode_kernel == "grouped_mm"
+    assert "float32" in rt.decode_kernel_reason
+
+
+def test_a_failed_compilation_leaves_the_grouped_path(tiny_moe):
+    """No C++ compiler (inductor pointed at a missing one, its cache off so it must compile): warm-up
+    logs why, and decode runs the grouped GEMMs. Prevents: an engine that cannot start on a
+    machine without a compiler."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    try:
+        with inductor_config.patch({"cpp.cxx": ("/nonexistent/bin/c++",), "fx_graph_cache": False}):
+            off = _runtime(tiny_moe("qwen2_moe", "per_expert"))
+        rt = off.runtime
+        assert rt.fused is None and rt.decode_kernel == "grouped_mm"
+        assert rt.decode_kernel_reason.startswith("compilation failed")
+        with torch.no_grad():
+            out = off.model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False,
+                                     eos_token_id=-1, pad_token_id=0)
+        assert out.shape[1] == 6
+    finally:
+        torch._dynamo.reset()  # later tests compile afresh with the real compiler
+
+
+@pytest.mark.parametrize(("family", "layout"), [("qwen2_moe", "per_expert"), ("gpt_oss", "fused")])
+def test_compiled_blocks_decode_as_the_eager_blocks_do(tiny_moe, family, layout):
+    """The MoE blocks and norms compiled around the kernel (a shared expert and its gate; gpt-oss's
+    biased router): teacher-forced logits in decode-sized chunks stay as close to the eager blocks'
+    as bfloat16 allows, every block is compiled, and the warm-up's routing is not counted.
+    Prevents: a block compiled wrong (far off), or telemetry showing traffic nobody asked for."""
+    from moetray.engine.experts.blocks import compile_blocks
+
+    path = tiny_moe(family, layout)
+    off = _runtime(path)
+    rt = off.runtime
+    ids = list(range(3, 27))
+
+    def chunked_logits():
+        out, cache = [], None
+        with torch.no_grad():
+            for i in range(0, len(ids), 4):
+                step = off.model(torch.tensor([ids[i:i + 4]]), cache=cache, use_cache=True)
+                cache = step.cache
+                out.append(step.logits[0].float())
+        return torch.cat(out)
+
+    eager = chunked_logits()
+    rt.forget_warm_up()
+    assert compile_blocks(off.model, rt, rt.hidden_size) is None
+    assert rt.total_tokens == 0 and rt.cache.stats().hits + rt.cache.stats().misses == 0
+    blocks = {id(m) for name, m in off.model.named_modules() if name.endswith(".mlp")}
+    compiled = {id(m) for _, m in off.model.named_modules()
+                if hasattr(m.forward, "_torchdynamo_orig_callable")}
+    assert blocks and blocks <= compiled
+    got = chunked_logits()
+    assert float((got - eager).abs().max()) < 0.1 * float(eager.std()) + 0.05
+    assert float((got.argmax(-1) == eager.argmax(-1)).float().mean()) >= 0.9
