@@ -80,7 +80,6 @@ class ServedModel:
             "dtype_reason": self.loaded.format.reason,
             "decode_kernel": self.loaded.runtime.decode_kernel,
             "decode_kernel_reason": self.loaded.runtime.decode_kernel_reason,
-            "compiled_blocks": self.loaded.runtime.blocks_reason is None,
             "context_length": info.context_length if context_length is None else context_length,
         }
 
@@ -193,10 +192,6 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     pools.open(sizes, progress)
     progress("compiling the decode step", 0, None)
     runtime.warm_up()
-    if runtime.fused is not None:
-        from moetray.engine.experts.blocks import compile_blocks
-
-        runtime.blocks_reason = compile_blocks(loaded.model, runtime, runtime.hidden_size)
     # Loading freed what it only needed on the way (dequantized and full-precision copies of the
     # weights, ``--dtype int8``'s float32 staging, the decode step's warm-up); glibc keeps freed
     # heap resident for reuse, so hand it back: 113 MiB of the demo's Q8_0 file served as int8,

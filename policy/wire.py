@@ -270,7 +270,6 @@ class ModelInfo(TypedDict):
     decode_kernel: str  # a small decode batch's experts: "compiled" (engine/experts/fused.py) or the
     # grouped path's compute mode ("grouped_mm", "eager")
     decode_kernel_reason: str | None  # why not compiled; None when compiled
-    compiled_blocks: bool  # the MoE blocks and norms around the experts compiled too (experts/blocks.py)
     context_length: int | None
 
 

@@ -181,7 +181,6 @@ class ExpertRuntime:
         self.fused: FusedExperts | None = None  # the compiled decode kernel, once warm_up built it
         self.decode_kernel_reason = self._fused_refusal(compile_decode)
         self.modules: list[Any] = []  # the Experts modules in MoE-layer order, set by attach()
-        self.blocks_reason: str | None = "not compiled"  # why the MoE blocks run eager (experts/blocks.py)
 
     def _fused_refusal(self, wanted: bool) -> str | None:
         if not wanted:
@@ -522,14 +521,6 @@ class ExpertRuntime:
                 "expert_store_format": self.store.format,
             }
 
-    def forget_warm_up(self) -> None:
-        """Zero what a load-time warm-up call counted (hits, misses, bytes, tokens, the window), so
-        the telemetry counts requests only; residency stays (the experts are where they are)."""
-        with self._lock:
-            self.reset_window()
-            self.cache.reset_stats()
-            self.total_bytes = self.total_tokens = self.calls = 0
-
     def reset_window(self) -> None:
         """Empty the sliding window (totals, residency and recency are kept)."""
         with self._lock:
@@ -665,11 +656,9 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 # --- the registered experts implementation ----------------------------------------------------
 
 
-@torch.compiler.disable  # a compiled MoE block breaks its graph here (experts/blocks.py)
 def moetray_experts_forward(self: ExpertsModule, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers experts-interface entry point: ``[T, H], [T, k], [T, k] → [T, H]``; never traced
-    by dynamo (planning and copies are Python with a lock; the experts' kernel is compiled on its own)."""
+    """transformers experts-interface entry point: ``[T, H], [T, k], [T, k] → [T, H]``."""
     runtime: ExpertRuntime | None = getattr(self, _RUNTIME_ATTR, None)
     if runtime is None:
         raise RuntimeError(f"{type(self).__name__} is not attached to a moetray ExpertRuntime; "

@@ -66,7 +66,7 @@ def test_int8_serves_and_says_so(tiny_qwen3, start_engine):
     model = engine.status()["model"]
     assert (model["dtype"], model["weights"]) == ("bfloat16", "int8")
     assert model["dtype_reason"] == "--dtype int8: weight-only int8 on bfloat16 activations"
-    assert model["decode_kernel"] == "compiled" and model["compiled_blocks"] is True
+    assert model["decode_kernel"] == "compiled"
     assert _chat(engine)["usage"]["completion_tokens"] == 6
     # The served request's decode steps went through the kernel (5 steps after the prefill's token).
     runtime = engine.engine.pools.runtime
