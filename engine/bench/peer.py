@@ -8,6 +8,10 @@ concurrency 1 and 4: decode tok/s per request (tokens after the first / time aft
 aggregate tok/s, TTFT, and each process's RSS. llama-cpp-python's ``Llama`` decodes one sequence
 at a time, so its concurrent requests queue behind one another: its concurrency-4 figures show that.
 
+The receipt states the RSS goal (issue 15: moetray's RSS ≤ :data:`RSS_GOAL_RATIO` × llama.cpp's
+for the same file) per file, both RSS read once both servers have served every request;
+:func:`rss_goal_from_receipt` reads it back for ``bench decode``, whose engines share its process.
+
 The default file is the demo exported with :func:`~moetray.engine.models.gguf_export.export_gguf`,
 avoiding two llama.cpp traps the demo meets: its shared-expert gates are exactly zero (llama.cpp's
 qwen2moe graph computes the gate's sigmoid as ``silu(x)/x``: NaN at 0; they are written as 1e-30,
@@ -28,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moetray.engine.bench.results import write_receipt
+from moetray.engine.bench.results import results_dir, write_receipt
 from moetray.engine.bench.serve import Child, engine_serving
 
 PROMPTS = [
@@ -37,6 +41,9 @@ PROMPTS = [
     "List three uses of a paperclip, one per line.",
     "What is the capital of France, and what river runs through it?",
 ]
+RSS_GOAL_RATIO = 1.3
+RSS_GOAL = "rss_le_1.3x"
+"""The goal's name in receipts (``bench decode``'s too): moetray's RSS ≤ 1.3 × llama.cpp's."""
 
 _LLAMA_CHILD = r"""
 import json, sys, threading, time, os
@@ -165,6 +172,8 @@ def _run_moetray(model: Path, args) -> dict[str, Any]:
     ]
     if args.moe_capacity:
         cmd += ["--moe-capacity", args.moe_capacity]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
     log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / "moetray.log"
     child = Child("moetray serve", cmd, port, env, log)
     url = child.url
@@ -187,10 +196,58 @@ def _run_moetray(model: Path, args) -> dict[str, Any]:
         out["rss"] = psutil.Process(child.proc.pid).memory_info().rss
         status = httpx.get(f"{url}/admin/status", headers={"Authorization": "Bearer bench-peer"}).json()
         out["expert_store_format"] = status["experts"]["expert_store_format"]
+        out["dtype"] = (status.get("model") or {}).get("dtype")
         out["moe_slots"] = status["pools"]["moe_slots"]
         return out
     finally:
         child.stop()
+
+
+def rss_goal(moetray_rss: int, llama_rss: int, dtype: str | None) -> dict[str, Any]:
+    """One file's RSS goal: moetray's RSS over llama.cpp's, and whether it is ≤ :data:`RSS_GOAL_RATIO`."""
+    ratio = moetray_rss / llama_rss
+    return {"ratio": ratio, "met": ratio <= RSS_GOAL_RATIO, "moetray_rss": moetray_rss,
+            "llama_rss": llama_rss, "moetray_dtype": dtype}
+
+
+def rss_goal_summary(files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The receipt's ``goals[RSS_GOAL]``: met only where every file meets it; the worst ratio."""
+    return {
+        "ratio_max": max(g["ratio"] for g in files.values()),
+        "met": all(g["met"] for g in files.values()),
+        "files": files,
+    }
+
+
+def rss_goal_note(goal: dict[str, Any]) -> str:
+    """The goal's sentence under the table (``goal``: the receipt's ``goals[RSS_GOAL]``)."""
+    parts = "; ".join(
+        f"{label} {g['ratio']:.2f}× (moetray in {g['moetray_dtype'] or 'unknown dtype'})"
+        for label, g in goal["files"].items()
+    )
+    return (
+        f"Goal {RSS_GOAL} (moetray's RSS ≤ {RSS_GOAL_RATIO}× llama.cpp's for the same file, both read "
+        f"after serving every request): {'met' if goal['met'] else 'NOT met'}: {parts}."
+    )
+
+
+def rss_goal_from_receipt(path: Path | None = None) -> dict[str, Any] | None:
+    """The RSS goal of the last ``bench peer`` receipt (``bench/results/peer.json``) with where it
+    came from, or None where there is no such receipt or it predates the goal."""
+    path = path or results_dir() / "peer.json"
+    try:
+        receipt = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    goal = (receipt.get("results") or {}).get("goals", {}).get(RSS_GOAL)
+    if goal is None:
+        return None
+    return {
+        "ratio": goal["ratio_max"],
+        "met": goal["met"],
+        "files": {label: g["ratio"] for label, g in goal["files"].items()},
+        "source": f"{path} (bench peer, created_unix {receipt.get('created_unix')})",
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -206,6 +263,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     parser.add_argument(
         "--moe-capacity", default="100%", help="moetray's expert slots (default: every expert)"
+    )
+    parser.add_argument(
+        "--dtype", default=None, help="moetray serve's --dtype (default: its own default, auto)"
     )
     parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=1800)
@@ -233,13 +293,14 @@ def main(argv: list[str]) -> int:
                 _progress(f"exporting the demo as {qtype}")
                 export_gguf(demo, dest, qtype, output_weight=True, gate_floor=1e-30)
             files.append((f"demo {qtype}", dest))
-    rows, table = [], []
+    rows, table, rss = [], [], {}
     for label, path in files:
         _progress(f"{label}: llama.cpp")
         llama = _run_llama(path, args)
         _progress(f"{label}: moetray")
         ours = _run_moetray(path, args)
         ls, ms = _summary(llama), _summary(ours)
+        rss[label] = rss_goal(ours["rss"], llama["rss"], ours.get("dtype"))
         for conc in map(str, args.concurrency):
             row = {
                 "file": label,
@@ -249,6 +310,8 @@ def main(argv: list[str]) -> int:
                 "llama_rss": llama["rss"],
                 "moetray_rss": ours["rss"],
                 "moetray_store": ours.get("expert_store_format"),
+                "moetray_dtype": ours.get("dtype"),
+                "rss_ratio": rss[label]["ratio"],
             }
             for key in ("decode_tok_s", "aggregate_tok_s", "ttft_ms"):
                 a, b = ms[conc][key], ls[conc][key]
@@ -267,6 +330,7 @@ def main(argv: list[str]) -> int:
                     ms[conc]["ttft_ms"],
                     llama["rss"] / 2**20,
                     ours["rss"] / 2**20,
+                    rss[label]["ratio"],
                 ]
             )
             lc, mc = ls[conc], ms[conc]
@@ -274,6 +338,7 @@ def main(argv: list[str]) -> int:
                 f"  c={conc}: decode llama.cpp {lc['decode_tok_s']} vs moetray {mc['decode_tok_s']} tok/s; "
                 f"TTFT {lc['ttft_ms']:.0f} vs {mc['ttft_ms']:.0f} ms"
             )
+    goal = rss_goal_summary(rss)
     path = write_receipt(
         "peer",
         params={
@@ -281,9 +346,10 @@ def main(argv: list[str]) -> int:
             "tokens": args.tokens,
             "concurrency": args.concurrency,
             "moe_capacity": args.moe_capacity,
+            "dtype": args.dtype,
             "files": [label for label, _ in files],
         },
-        results={"rows": rows},
+        results={"rows": rows, "goals": {RSS_GOAL: goal}},
         columns=[
             "file",
             "concurrency",
@@ -296,6 +362,7 @@ def main(argv: list[str]) -> int:
             "moetray TTFT ms",
             "llama.cpp RSS MiB",
             "moetray RSS MiB",
+            "RSS moetray ÷ llama.cpp",
         ],
         rows=table,
         title="moetray vs llama.cpp on the same GGUF (llama-cpp-python, CPU)",
@@ -303,6 +370,7 @@ def main(argv: list[str]) -> int:
             "Same file, prompts, thread count and greedy decode; each server in its own child process. "
             "Decode tok/s: per request, tokens after the first over the time after the first (median). "
             "llama-cpp-python's Llama decodes one sequence at a time: its concurrent requests queue.",
+            rss_goal_note(goal),
             "reproduce: `.venv/bin/moetray bench peer "
             + " ".join(a for a in argv if "workdir" not in a)
             + "`",

@@ -53,3 +53,26 @@ def test_bench_engine_runs_every_row_and_stays_identical(tmp_path, monkeypatch):
     assert rows["accelerate → disk"]["bytes_per_token"] == whole_layers
     assert rows["moetray 100%"]["bytes_per_token"] <= rows["moetray 10%"]["bytes_per_token"]
     assert rows["moetray 10%"]["bytes_per_token"] < whole_layers
+
+
+def test_bench_decode_states_the_rss_goal_bench_peer_measured(tmp_path, monkeypatch):
+    """`bench decode`'s engines share its process, so its RSS goal is the one `bench peer` measured
+    (moetray serve and llama.cpp in children of their own), named with its receipt; with no peer
+    receipt it is None with a note, never a number. Prevents: the goal read as met or as 0."""
+    from moetray.engine.bench import decode, peer
+    from moetray.engine.bench.results import write_receipt
+
+    monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path / "results"))
+    absent = decode.goals([], None)[peer.RSS_GOAL]
+    assert absent["ratio"] is None and absent["met"] is None and "bench peer" in absent["note"]
+
+    files = {"demo F16": peer.rss_goal(1300 << 20, 440 << 20, "float32"),
+             "demo Q8_0": peer.rss_goal(380 << 20, 300 << 20, "bfloat16")}
+    assert files["demo Q8_0"]["met"] and not files["demo F16"]["met"]
+    goal = peer.rss_goal_summary(files)
+    write_receipt("peer", params={}, results={"rows": [], "goals": {peer.RSS_GOAL: goal}}, columns=[],
+                  rows=[], title="peer", notes=[peer.rss_goal_note(goal)])
+    stated = decode.goals([], None)[peer.RSS_GOAL]
+    assert stated["met"] is False and abs(stated["ratio"] - 1300 / 440) < 1e-9
+    assert stated["files"]["demo Q8_0"] == 380 / 300 and "peer.json" in stated["source"]
+    assert "NOT met" in peer.rss_goal_note(goal) and "2.95×" in peer.rss_goal_note(goal)
