@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING
 # on a desktop shared with other programs (and on a busy CI box: 20-50x slower steps). This
 # must be set before torch loads libgomp, so torch is imported lazily below. A user's own
 # setting wins.
+USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
+"""The user's own OpenMP wait policy (None: moetray chose PASSIVE): a peer the benches start
+(llama.cpp) gets the user's, not moetray's (``engine.bench.serve.peer_env``)."""
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from moetray.engine.api.security import (  # noqa: E402

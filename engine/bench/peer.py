@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from moetray.engine.bench.results import results_dir, write_receipt
-from moetray.engine.bench.serve import Child, engine_serving
+from moetray.engine.bench.serve import Child, engine_serving, peer_env
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
@@ -115,6 +115,7 @@ def _run_llama(model: Path, args) -> dict[str, Any]:
     }
     done = subprocess.run(
         [sys.executable, "-c", _LLAMA_CHILD, json.dumps(cfg)],
+        env=peer_env(),
         capture_output=True,
         text=True,
         timeout=args.timeout,

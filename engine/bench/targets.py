@@ -120,7 +120,7 @@ class LlamaServer:
     decodes one sequence at a time, so concurrent requests queue behind one another."""
 
     def __init__(self, label: str, gguf: Path, *, threads: int, ctx: int = 4096) -> None:
-        from moetray.engine.bench.serve import Child, free_port
+        from moetray.engine.bench.serve import Child, free_port, peer_env
 
         port = free_port()
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", label,
@@ -128,7 +128,7 @@ class LlamaServer:
                "--host", "127.0.0.1", "--port", str(port), "--verbose", "False",
                "--interrupt_requests", "False"]  # queue concurrent requests (its default drops the older)
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"moetray-bench-llama-{port}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        env = peer_env(OMP_NUM_THREADS=str(threads))
         self.child = Child(f"llama.cpp[{label}]", cmd, port, env, log)
         self.label, self.url, self.model, self.proc = label, self.child.url, label, self.child.proc
 

@@ -76,3 +76,18 @@ def test_bench_decode_states_the_rss_goal_bench_peer_measured(tmp_path, monkeypa
     assert stated["met"] is False and abs(stated["ratio"] - 1300 / 440) < 1e-9
     assert stated["files"]["demo Q8_0"] == 380 / 300 and "peer.json" in stated["source"]
     assert "NOT met" in peer.rss_goal_note(goal) and "2.95×" in peer.rss_goal_note(goal)
+
+
+def test_a_peer_starts_with_the_users_openmp_wait_policy_not_moetrays(monkeypatch):
+    """llama.cpp started by a bench gets the user's environment: moetray's own PASSIVE OpenMP waits
+    (which slowed llama.cpp's OpenMP build 5x) are dropped, a policy the user set is kept.
+    Prevents: a comparison that handicaps the peer."""
+    from moetray.engine import serve as engine_serve
+    from moetray.engine.bench.serve import peer_env
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(engine_serve, "USER_OMP_WAIT_POLICY", None)
+    env = peer_env(OMP_NUM_THREADS="2")
+    assert "OMP_WAIT_POLICY" not in env and env["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setattr(engine_serve, "USER_OMP_WAIT_POLICY", "ACTIVE")
+    assert peer_env()["OMP_WAIT_POLICY"] == "ACTIVE"
