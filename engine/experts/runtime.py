@@ -287,13 +287,7 @@ class ExpertRuntime:
             # Bring the CPU share's inputs to the host before the slot copies are queued, so
             # the device→host transfer does not wait behind them and the CPU work overlaps them.
             host_states = states.cpu() if host_groups else None
-            moved = self.pool.bytes_copied
-            try:
-                self.slots.apply(plan)
-            except SlotDeviceError as exc:
-                self._forget_plan(plan, exc)
-                raise
-            self._record(layer, plan, self.pool.bytes_copied - moved, num_tokens)
+            self._fill(layer, plan, num_tokens)
 
             slot_mats, bank_mats = self._slot_mats, self._bank_operands
             group_ops = [slot_mats[slot] if slot is not None else bank_mats(layer, expert)
@@ -333,13 +327,7 @@ class ExpertRuntime:
                                          fused=False)
         with self._lock:  # held for the whole call: a resize never swaps rows mid-compute
             plan = self._plan(layer, routed)
-            moved = self.pool.bytes_copied
-            try:
-                self.slots.apply(plan)
-            except SlotDeviceError as exc:
-                self._forget_plan(plan, exc)
-                raise
-            self._record(layer, plan, self.pool.bytes_copied - moved, len(pairs))
+            self._fill(layer, plan, len(pairs))
             slot_of = dict(zip(routed, plan.slots, strict=True))
             slots = torch.tensor([[slot_of[e] for e in row] for row in pairs], dtype=torch.long)
             kernel = self.fused
@@ -355,6 +343,16 @@ class ExpertRuntime:
         proj = module._apply_gate(proj) if self.geometry.has_gate else module.act_fn(proj)
         out = int8_gemm(proj, w_down) if type(w_down) is Int8Weight else proj @ w_down
         return out + bias_down if bias_down is not None else out
+
+    def _fill(self, layer: int, plan, tokens: int) -> None:
+        """Copy the plan's misses into their slots and count the call (the lock held)."""
+        moved = self.pool.bytes_copied
+        try:
+            self.slots.apply(plan)
+        except SlotDeviceError as exc:
+            self._forget_plan(plan, exc)
+            raise
+        self._record(layer, plan, self.pool.bytes_copied - moved, tokens)
 
     def _forget_plan(self, plan, exc: SlotDeviceError) -> None:
         # The written slots are unknown, the failing one too, and the plan's later copies never
@@ -412,13 +410,7 @@ class ExpertRuntime:
                         None if expert_mask is None else expert_mask.cpu())
             else:
                 host = None
-            moved = self.pool.bytes_copied
-            try:
-                self.slots.apply(plan)
-            except SlotDeviceError as exc:
-                self._forget_plan(plan, exc)
-                raise
-            self._record(layer, plan, self.pool.bytes_copied - moved, hidden_states.shape[0])
+            self._fill(layer, plan, hidden_states.shape[0])
 
             computed: dict[int, torch.Tensor] = {}
             if host is not None:
