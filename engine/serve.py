@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 # setting wins.
 USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 """The user's own OpenMP wait policy (None: moetray chose PASSIVE): a peer the benches start
-(llama.cpp) gets the user's, not moetray's (``engine.bench.serve.peer_env``)."""
+(llama.cpp) gets the user's, not moetray's (``engine.bench.targets.peer_env``)."""
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from moetray.engine.api.security import (  # noqa: E402

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from moetray.engine.bench.results import results_dir, write_receipt
-from moetray.engine.bench.serve import Child, engine_serving, peer_env
+from moetray.engine.bench.serve import Child, engine_serving
+from moetray.engine.bench.targets import peer_env
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",

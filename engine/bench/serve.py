@@ -127,22 +127,6 @@ def stop_process_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def peer_env(**extra: str) -> dict[str, str]:
-    """The environment a peer server (llama.cpp) starts with: the user's, without the passive
-    OpenMP waits moetray set for itself (llama.cpp's OpenMP build decoded 5x slower under them on
-    2 cores: 12.6 against 67 tok/s, which made every earlier comparison flatter moetray), plus
-    ``extra``."""
-    from moetray.engine import serve as engine_serve
-
-    env = dict(os.environ)
-    if engine_serve.USER_OMP_WAIT_POLICY is None:
-        env.pop("OMP_WAIT_POLICY", None)
-    else:
-        env["OMP_WAIT_POLICY"] = engine_serve.USER_OMP_WAIT_POLICY
-    env.update(extra)
-    return env
-
-
 def _env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOETRAY_")}
     env.update(

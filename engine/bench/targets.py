@@ -25,6 +25,22 @@ def _progress(msg: str) -> None:
 # --- one served engine --------------------------------------------------------------------------
 
 
+def peer_env(**extra: str) -> dict[str, str]:
+    """The environment a peer server (llama.cpp) starts with: the user's, without the passive
+    OpenMP waits moetray set for itself (llama.cpp's OpenMP build decoded 5x slower under them on
+    2 cores: 12.6 against 67 tok/s, which made every earlier comparison flatter moetray), plus
+    ``extra``."""
+    from moetray.engine import serve as engine_serve
+
+    env = dict(os.environ)
+    if engine_serve.USER_OMP_WAIT_POLICY is None:
+        env.pop("OMP_WAIT_POLICY", None)
+    else:
+        env["OMP_WAIT_POLICY"] = engine_serve.USER_OMP_WAIT_POLICY
+    env.update(extra)
+    return env
+
+
 class ServedEngine:
     """An engine for one weight format behind a real HTTP server on loopback, in this process.
 
@@ -120,7 +136,7 @@ class LlamaServer:
     decodes one sequence at a time, so concurrent requests queue behind one another."""
 
     def __init__(self, label: str, gguf: Path, *, threads: int, ctx: int = 4096) -> None:
-        from moetray.engine.bench.serve import Child, free_port, peer_env
+        from moetray.engine.bench.serve import Child, free_port
 
         port = free_port()
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", label,

@@ -132,6 +132,13 @@ def _experts(module: ExpertsModule, states: torch.Tensor, slots: torch.Tensor, w
     return (out * weights.unsqueeze(-1).float()).sum(1).to(states.dtype)
 
 
+KERNEL_GRAPHS = 64
+"""Graphs dynamo may compile for the kernel in one process (its default stops at 8): one per dtype,
+int8 or float rows, family gate, layout and batch class (1, then symbolic). A process serving one
+model needs about 4; a process serving several (the benches, the test suite) meets more, and at
+the limit ``fullgraph=True`` makes compilation fail, so the grouped GEMMs would serve."""
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, KERNEL_GRAPHS)
+
 _compiled = torch.compile(_experts, fullgraph=True, options={"cpp.threads": 1})
 """One thread, no OpenMP region to wake: the kernel serves decode steps, which run on one intra-op
 thread where it serves (:mod:`moetray.policy.step_threads`)."""

@@ -83,7 +83,7 @@ def test_a_peer_starts_with_the_users_openmp_wait_policy_not_moetrays(monkeypatc
     (which slowed llama.cpp's OpenMP build 5x) are dropped, a policy the user set is kept.
     Prevents: a comparison that handicaps the peer."""
     from moetray.engine import serve as engine_serve
-    from moetray.engine.bench.serve import peer_env
+    from moetray.engine.bench.targets import peer_env
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setattr(engine_serve, "USER_OMP_WAIT_POLICY", None)

@@ -104,15 +104,17 @@ def test_float32_stays_on_the_exact_grouped_path(tiny_moe):
     assert "float32" in rt.decode_kernel_reason
 
 
-def test_a_failed_compilation_leaves_the_grouped_path(tiny_moe):
-    """No C++ compiler (inductor pointed at a missing one, its cache off so it must compile): warm-up
-    logs why, and decode runs the grouped GEMMs. Prevents: an engine that cannot start on a
-    machine without a compiler."""
+def test_a_failed_compilation_leaves_the_grouped_path(tiny_moe, tmp_path):
+    """No C++ compiler (inductor pointed at a missing one, with an empty cache directory so nothing
+    compiled earlier is reused): warm-up logs why, and decode runs the grouped GEMMs. Prevents: an
+    engine that cannot start on a machine without a compiler."""
     import torch._inductor.config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     torch._dynamo.reset()
     try:
-        with inductor_config.patch({"cpp.cxx": ("/nonexistent/bin/c++",), "fx_graph_cache": False}):
+        with (temporary_cache_dir(str(tmp_path / "inductor")),
+              inductor_config.patch({"cpp.cxx": ("/nonexistent/bin/c++",), "fx_graph_cache": False})):
             off = _runtime(tiny_moe("qwen2_moe", "per_expert"))
         rt = off.runtime
         assert rt.fused is None and rt.decode_kernel == "grouped_mm"
