@@ -6,9 +6,10 @@ PY      ?= python3
 VENV    := .venv
 STAMP   := $(VENV)/.installed
 # Debian packages the GUI tests need: a real X server, a tray host, screenshots.
+# g++: inductor builds the compiled decode kernel (engine/experts/fused.py), which the tests assert.
 APT_PKGS := xvfb trayer imagemagick x11-utils libxcb-cursor0 libxkbcommon-x11-0 \
             libegl1 libgl1 libfontconfig1 libdbus-1-3 libxcb-icccm4 libxcb-keysyms1 \
-            desktop-file-utils appstream
+            desktop-file-utils appstream g++
 
 .PHONY: run test test-fast setup system-deps lint bench
 .DEFAULT_GOAL := run
