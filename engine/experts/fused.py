@@ -31,11 +31,11 @@ import torch
 
 from moetray.engine.experts.hf import ExpertsModule
 from moetray.engine.experts.int8 import Int8Layout
-from moetray.engine.experts.store import ExpertGeometry
+from moetray.engine.experts.store import ExpertGeometry, unpack_row
 from moetray.policy.step_threads import DECODE_STEP_TOKENS
 
-__all__ = ["FUSED_DTYPES", "FUSED_MAX_TOKENS", "FusedExperts", "PoolViews", "compile_failure",
-           "compile_kernel", "fused_refusal"]
+__all__ = ["FUSED_DTYPES", "FUSED_MAX_TOKENS", "FusedExperts", "PoolViews", "compile_kernel",
+           "fused_refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -64,27 +64,15 @@ class PoolViews:
 
     @classmethod
     def of_float_rows(cls, rows: torch.Tensor, geo: ExpertGeometry) -> PoolViews:
-        cap = rows.shape[0]
-        seg = {s.name: rows[:, s.offset:s.offset + s.numel].view(cap, *s.shape) for s in geo.segments}
+        seg = unpack_row(rows, geo)
         first = "gate_up_proj" if geo.has_gate else "up_proj"
         return cls(seg[first], None, seg.get(first + "_bias"),
                    seg["down_proj"], None, seg.get("down_proj_bias"))
 
     @classmethod
     def of_int8_rows(cls, rows: torch.Tensor, layout: Int8Layout) -> PoolViews:
-        cap = rows.shape[0]
-
-        def part_views(part):
-            q = rows[:, part.q_offset:part.q_offset + part.out_features * part.in_features]
-            scale = rows[:, part.scale_offset:part.scale_offset + 2 * part.out_features]
-            bias = None
-            if part.bias_offset is not None:
-                bias = rows[:, part.bias_offset:part.bias_offset + 2 * part.out_features].view(torch.bfloat16)
-            matrix = q.view(torch.int8).view(cap, part.out_features, part.in_features)
-            return matrix, scale.view(torch.bfloat16), bias
-
-        first, down = layout.parts
-        return cls(*part_views(first), *part_views(down))
+        first, first_bias, down, down_bias = layout.operands(rows)
+        return cls(first.qweight, first.scale, first_bias, down.qweight, down.scale, down_bias)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.first, self.first_scale, self.first_bias,
@@ -187,11 +175,6 @@ class FusedExperts:
                 self._run(module, states, slots, weights)
 
 
-def compile_failure(exc: BaseException) -> str:
-    """The reason a failed compilation leaves things eager, as the status shows it."""
-    return f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
-
-
 def compile_kernel(module: ExpertsModule, geometry: ExpertGeometry, int8_layout: Int8Layout | None,
                    rows: torch.Tensor, *, hidden: int, dtype: torch.dtype,
                    top_k: int) -> tuple[FusedExperts | None, str | None]:
@@ -203,5 +186,5 @@ def compile_kernel(module: ExpertsModule, geometry: ExpertGeometry, int8_layout:
         kernel.warm_up(module, hidden, dtype, top_k)
     except Exception as exc:  # no C++ compiler, a gate inductor cannot trace, …
         log.warning("decode kernel not compiled, the grouped GEMMs serve: %s", exc)
-        return None, compile_failure(exc)
+        return None, f"compilation failed: {type(exc).__name__}: {str(exc)[:200]}"
     return kernel, None

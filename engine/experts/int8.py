@@ -84,16 +84,19 @@ class Int8Layout:
 
     def operands(self, row: torch.Tensor) -> tuple:
         """``(first, first_bias, down, down_bias)`` of one row, as the grouped path takes them
-        (:class:`Int8Weight` in place of a float matrix); views, no copy."""
+        (:class:`Int8Weight` in place of a float matrix); views, no copy. Of a pool's rows
+        ``[capacity, row_bytes]``, each view gets the leading ``capacity`` dimension."""
+        lead = row.shape[:-1]
         out: list = []
         for part in self.parts:
-            q = row[part.q_offset:part.q_offset + part.out_features * part.in_features]
-            scale = row[part.scale_offset:part.scale_offset + 2 * part.out_features]
-            out.append(Int8Weight(q.view(torch.int8).view(part.out_features, part.in_features),
+            q = row[..., part.q_offset:part.q_offset + part.out_features * part.in_features]
+            scale = row[..., part.scale_offset:part.scale_offset + 2 * part.out_features]
+            out.append(Int8Weight(q.view(torch.int8).view(*lead, part.out_features, part.in_features),
                                   scale.view(torch.bfloat16)))
             bias = None
             if part.bias_offset is not None:
-                bias = row[part.bias_offset:part.bias_offset + 2 * part.out_features].view(torch.bfloat16)
+                end = part.bias_offset + 2 * part.out_features
+                bias = row[..., part.bias_offset:end].view(torch.bfloat16)
             out.append(bias)
         return tuple(out)
 

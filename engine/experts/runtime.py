@@ -240,12 +240,14 @@ class ExpertRuntime:
         """Compute one MoE layer call with the arithmetic of the stock implementation named by
         :attr:`compute`; see the module docstring for the steps."""
         if self.compute == "grouped_mm":
+            if (self.fused is not None and top_k_index.shape[0] <= FUSED_MAX_TOKENS
+                    and not torch.is_grad_enabled()):
+                return self._forward_fused(module, layer, hidden_states, top_k_index, top_k_weights)
             return self._forward_grouped(module, layer, hidden_states, top_k_index, top_k_weights)
         return self._forward_eager(module, layer, hidden_states, top_k_index, top_k_weights)
 
     def _forward_grouped(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
-                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                         fused: bool = True) -> torch.Tensor:
+                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The stock ``grouped_mm`` implementation's arithmetic over the slot pool.
 
         Token-expert pairs are ordered by the same ``torch.sort`` the stock path uses; each
@@ -257,9 +259,6 @@ class ExpertRuntime:
         CPU the output is bit-identical to ``grouped_mm`` with every expert resident.
         """
         num_tokens, num_top_k = top_k_index.shape
-        if (fused and self.fused is not None and num_tokens <= FUSED_MAX_TOKENS
-                and not torch.is_grad_enabled()):
-            return self._forward_fused(module, layer, hidden_states, top_k_index, top_k_weights)
         pairs = num_tokens * num_top_k
         hidden_dim = hidden_states.shape[-1]
         num_experts = self.num_experts
@@ -323,8 +322,7 @@ class ExpertRuntime:
         pairs = top_k_index.tolist()  # the call's one host read of the routing
         routed = sorted({expert for row in pairs for expert in row})
         if routed and routed[-1] >= self.num_experts:  # expert-parallel sentinels: the grouped path skips
-            return self._forward_grouped(module, layer, hidden_states, top_k_index, top_k_weights,
-                                         fused=False)
+            return self._forward_grouped(module, layer, hidden_states, top_k_index, top_k_weights)
         with self._lock:  # held for the whole call: a resize never swaps rows mid-compute
             plan = self._plan(layer, routed)
             self._fill(layer, plan, len(pairs))

@@ -411,5 +411,8 @@ def _aligned(numel: int) -> int:
 
 
 def unpack_row(row: torch.Tensor, geometry: ExpertGeometry) -> dict[str, torch.Tensor]:
-    """Views of one packed row as ``{segment name: tensor of the segment's shape}``."""
-    return {seg.name: row[seg.offset:seg.offset + seg.numel].view(seg.shape) for seg in geometry.segments}
+    """Views of one packed row as ``{segment name: tensor of the segment's shape}``; of a pool's
+    rows ``[capacity, row_numel]``, each segment gets the leading ``capacity`` dimension."""
+    lead = row.shape[:-1]
+    return {seg.name: row[..., seg.offset:seg.offset + seg.numel].view(*lead, *seg.shape)
+            for seg in geometry.segments}

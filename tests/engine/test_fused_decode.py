@@ -52,7 +52,7 @@ def test_the_kernel_is_as_close_to_float32_as_the_grouped_path(tiny_moe, family,
             before = rt.fused.calls
             fused = rt.forward(module, layer, states, index, weights)
             assert rt.fused.calls == before + 1
-            grouped = rt._forward_grouped(module, layer, states, index, weights, fused=False)
+            grouped = rt._forward_grouped(module, layer, states, index, weights)
             exact = ref.forward(ref.modules[1], layer, states.float(), index, weights.float())
             assert fused.dtype == states.dtype and fused.shape == states.shape
             assert _rel(fused, exact) <= 2 * _rel(grouped, exact) + 0.01, (tokens, _rel(fused, exact),
@@ -90,7 +90,7 @@ def test_a_resize_rebinds_the_kernel_without_recompiling(tiny_moe):
         for seed in range(3):
             module, layer, states, index, weights = _call(rt, seed % rt.num_layers, 2, seed=seed)
             fused = rt.forward(module, layer, states, index, weights)
-            grouped = rt._forward_grouped(module, layer, states, index, weights, fused=False)
+            grouped = rt._forward_grouped(module, layer, states, index, weights)
             exact = ref.forward(ref.modules[layer], layer, states.float(), index, weights.float())
             assert _rel(fused, exact) <= 2 * _rel(grouped, exact) + 0.01
     assert counters["stats"]["unique_graphs"] == graphs
