@@ -41,7 +41,7 @@ from moetray.engine.status import health, model_info, snapshot
 from moetray.engine.telemetry import Telemetry
 from moetray.policy import wire
 from moetray.policy.maintenance import GateState, SealedAccounting
-from moetray.policy.pool_budget import DEFAULT_KV_RESERVE_TOKENS, DEFAULT_MEMORY_RATIO
+from moetray.policy.pool_sizes import DEFAULT_KV_RESERVE_TOKENS, DEFAULT_MEMORY_RATIO
 from moetray.policy.rebuild import EngineActivity
 
 if TYPE_CHECKING:

@@ -24,7 +24,8 @@ from moetray.engine.cb import choose_prefix_policy
 from moetray.engine.cb.kv import return_freed_heap
 from moetray.engine.pools import Pools, RunnerSettings, price_pools
 from moetray.policy import wire
-from moetray.policy.pool_budget import RebuildRequest, reserve_pages
+from moetray.policy.pool_budget import reserve_pages
+from moetray.policy.pool_sizes import RebuildRequest
 
 if TYPE_CHECKING:
     from moetray.engine.chat import ChatSupport

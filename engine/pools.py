@@ -34,14 +34,8 @@ from typing import Any
 from moetray.engine.budget import ContextCeiling, DeviceBudget
 from moetray.engine.cb import BatchRunner, RunnerConfig, kv_bytes_per_page, kv_overhead_bytes
 from moetray.engine.cb.state import StateGeometry
-from moetray.policy.pool_budget import (
-    MIN_STATE_SLOTS,
-    PoolBudget,
-    PoolFloors,
-    PoolSizes,
-    RebuildRequest,
-    reserve_pages,
-)
+from moetray.policy.pool_budget import PoolBudget, reserve_pages
+from moetray.policy.pool_sizes import MIN_STATE_SLOTS, PoolFloors, PoolSizes, RebuildRequest
 from moetray.policy.rebuild import RUNNER_POOLS
 
 log = logging.getLogger("moetray.engine.pools")

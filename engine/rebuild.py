@@ -50,7 +50,8 @@ from typing import Any
 from moetray.engine.gate import Gate, ResplitWait
 from moetray.engine.pools import Pools
 from moetray.engine.requests import Requests
-from moetray.policy.pool_budget import PoolSizes, RebuildRejected, RebuildRequest, reserve_pages
+from moetray.policy.pool_budget import reserve_pages
+from moetray.policy.pool_sizes import PoolSizes, RebuildRejected, RebuildRequest
 from moetray.policy.rebuild import Applied, Latched, RebuildTxn, sizes_body
 from moetray.policy.refused import Refused
 from moetray.policy.wire import error_body, refusal_for

@@ -30,7 +30,8 @@ from typing import Any
 from PySide6.QtCore import QObject, Signal
 
 from moetray.policy import wire
-from moetray.policy.pool_budget import BudgetTooSmall, PoolBudget, PoolLimits, PoolSizes, Projection
+from moetray.policy.pool_budget import PoolBudget
+from moetray.policy.pool_sizes import BudgetTooSmall, PoolLimits, PoolSizes, Projection
 from moetray.policy.refused import Refused
 from moetray.ui.format import fmt_bytes, fmt_int
 from moetray.ui.outcome import ApplyOutcome, rebuild_outcome

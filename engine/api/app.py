@@ -118,7 +118,7 @@ def refusal_classes() -> tuple[type[Exception], ...]:
     from moetray.policy.effort import EffortRefused
     from moetray.policy.maintenance import AdmissionClosed, RebuildRefused, StopRefused
     from moetray.policy.outbox import StopFailure
-    from moetray.policy.pool_budget import RebuildRejected
+    from moetray.policy.pool_sizes import RebuildRejected
 
     return (
         ApiError,
