@@ -20,7 +20,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from moetray.engine.cb import choose_prefix_policy
+from moetray.engine.cb import StateGeometry, choose_prefix_policy
+from moetray.engine.cb.compiled_step import decode_step_of, decode_step_refusal, install_decode_step
 from moetray.engine.cb.kv import return_freed_heap
 from moetray.engine.pools import Pools, RunnerSettings, price_pools
 from moetray.policy import wire
@@ -60,10 +61,17 @@ class ServedModel:
     chat: ChatSupport
     eos_ids: tuple[int, ...]  # the checkpoint's EOS ids, then the chat template's turn stops
     prefix_policy: str
+    decode_step_refused: str | None  # why decode steps were not compiled (None: they were)
 
     @property
     def model_id(self) -> str:
         return self.loaded.info.model_id
+
+    @property
+    def decode_step_reason(self) -> str | None:
+        """Why decode steps run eagerly (refused at load, or a compilation that failed); None: compiled."""
+        step = decode_step_of(self.loaded.model)
+        return self.decode_step_refused if step is None else step.reason
 
     def info(self, context_length: int | None) -> dict[str, Any]:
         """``policy.wire.ModelInfo``, with the context the pools allow."""
@@ -81,6 +89,8 @@ class ServedModel:
             "dtype_reason": self.loaded.format.reason,
             "decode_kernel": self.loaded.runtime.decode_kernel,
             "decode_kernel_reason": self.loaded.runtime.decode_kernel_reason,
+            "decode_step": "compiled" if self.decode_step_reason is None else "eager",
+            "decode_step_reason": self.decode_step_reason,
             "context_length": info.context_length if context_length is None else context_length,
         }
 
@@ -167,8 +177,18 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         budget.budget_bytes,
         measured.source,
     )
+    from moetray.engine.experts.fused import FUSED_MAX_TOKENS
+
     progress("compiling the decode kernel", 0, None)
     runtime.warm_up()  # before the runner's settings: its decode steps' threads follow the kernel
+    step_refused = decode_step_refusal(
+        wanted=opts.compile_decode,
+        kernel_serves=runtime.fused is not None,
+        hybrid=StateGeometry.from_config(loaded.model.config, dtype) is not None,
+    )
+    if step_refused is None:
+        progress("compiling the decode step", 0, None)
+        install_decode_step(loaded.model, max_tokens=FUSED_MAX_TOKENS)
     eos_ids = loader.eos_token_ids(loaded.model, loaded.tokenizer)
     progress("probing the chat template", 0, 1)
     chat = ChatSupport.probe(
@@ -202,4 +222,4 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     # heap resident for reuse, so hand it back: 113 MiB of the demo's Q8_0 file served as int8,
     # 64-76 MiB of its F16/Q8_0 files served in float32.
     return_freed_heap()
-    return ServedModel(loaded, chat, eos_ids, prefix_policy), pools
+    return ServedModel(loaded, chat, eos_ids, prefix_policy, step_refused), pools

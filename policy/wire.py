@@ -270,6 +270,8 @@ class ModelInfo(TypedDict):
     decode_kernel: str  # a small decode batch's experts: "compiled" (engine/experts/fused.py) or the
     # grouped path's compute mode ("grouped_mm", "eager")
     decode_kernel_reason: str | None  # why not compiled; None when compiled
+    decode_step: str  # a decode step's whole decoder: "compiled" (engine/cb/compiled_step.py) or "eager"
+    decode_step_reason: str | None  # why eager; None when compiled
     context_length: int | None
 
 

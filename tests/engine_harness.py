@@ -67,7 +67,9 @@ class LiveEngine:
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60.0, **kw)
 
-    def wait_state(self, states: set[str], timeout: float = 120.0) -> dict:
+    def wait_state(self, states: set[str], timeout: float = 300.0) -> dict:
+        """Poll /health until the state is one of ``states``; a first load on a cold machine also
+        compiles the decode step (a lossy format), hence the generous default."""
         deadline = time.monotonic() + timeout
         last: dict = {}
         while time.monotonic() < deadline:

@@ -16,6 +16,8 @@ hooks the substrate offers, one module per concern:
 - ``hybrid`` — the hybrid paged cache and scheduler, and the start-up swap that lets the
   substrate build them for a model with linear-attention layers.
 - ``recurrent`` — the linear-attention seam: Gated DeltaNet layers computing in the state pool.
+- ``compiled_step`` — decode-size steps of the whole decoder as one ``torch.compile`` graph, with
+  the paged-KV access as an opaque operator (the experts are one too: ``engine/experts/opaque.py``).
 
 May import torch, transformers (its internals included: only this package and
 ``engine/experts/hf.py`` do) and ``moetray.policy``; never the HTTP layer or the tray.

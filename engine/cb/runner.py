@@ -28,6 +28,7 @@ from transformers.generation.continuous_batching.cache_allocators.cache_allocato
 from transformers.generation.continuous_batching.continuous_api import OutputRouter
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
+from moetray.engine.cb.compiled_step import decode_step_of
 from moetray.engine.cb.hybrid import HYBRID_SCHEDULER, HybridPagedCache, hybrid_substrate
 from moetray.engine.cb.kv import lazily_zeroed_cpu_cache, return_freed_heap
 from moetray.engine.cb.prefix import (
@@ -220,6 +221,13 @@ class BatchRunner:
                     manager.warmup()  # builds the batch processor (and so the KV pool) on this thread
                 processor = manager.batch_processor
                 cache = processor.cache
+                step = decode_step_of(self.model)
+                if step is not None and geometry is None:
+                    step.install(cache)
+                    step.warm_up(processor.model_runner, self.model, page_size=cfg.page_size,
+                                 thread_budget=cfg.thread_budget or torch.get_num_threads(),
+                                 single_thread_decode=cfg.single_thread_decode)
+                    cache.reset()  # the warm-up batches' pages go back to the pool
                 if choose_prefix_policy(cfg.prefix_policy, self.model.config) == "radix":
                     allocator = cache.cache_allocators["full_attention"]
                     held = cfg.anchor_max_held_tokens

@@ -25,6 +25,9 @@ Public API (stable; the engine server calls these)::
                                                        implementation it equals bit for bit (fp32)
     ExpertRuntime.warm_up()                            compile the decode kernel (when it may serve)
     ExpertRuntime.decode_kernel, .decode_kernel_reason "compiled" or the compute mode, and why not
+    ExpertRuntime.op_key                               its name in a compiled decode step's graph: a
+                                                       layer's experts there are the opaque operator
+                                                       ``moetray::experts`` (``opaque.py``)
     ExpertRuntime.capacity                             slots in the pool now
     ExpertRuntime.bytes_per_slot                       device bytes per slot (one expert)
     ExpertRuntime.resize(capacity, mark_teardown=None) -> dict

@@ -62,6 +62,8 @@ from moetray.engine.experts.hf import (
     register_experts_function,
 )
 from moetray.engine.experts.int8 import Int8ExpertStore, Int8Weight, int8_gemm
+from moetray.engine.experts.opaque import experts_op
+from moetray.engine.experts.opaque import register as register_op_key
 from moetray.engine.experts.slots import LinkThrottle, SlotPool, TorchSlotDevice
 from moetray.engine.experts.store import ExpertStore, unpack_row
 from moetray.policy.moe.expert_cache import DEFAULT_POLICY, ExpertCache
@@ -181,6 +183,7 @@ class ExpertRuntime:
         self.fused: FusedExperts | None = None  # the compiled decode kernel, once warm_up built it
         self.decode_kernel_reason = self._fused_refusal(compile_decode)
         self.modules: list[Any] = []  # the Experts modules in MoE-layer order, set by attach()
+        self.op_key = 0  # its name in a compiled step's graph (engine/experts/opaque.py), set by attach()
 
     def _fused_refusal(self, wanted: bool) -> str | None:
         if not wanted:
@@ -653,7 +656,10 @@ def moetray_experts_forward(self: ExpertsModule, hidden_states: torch.Tensor, to
     if runtime is None:
         raise RuntimeError(f"{type(self).__name__} is not attached to a moetray ExpertRuntime; "
                            "load the model with moetray.engine.experts.load_offloaded_model")
-    return runtime.forward(self, getattr(self, _LAYER_ATTR), hidden_states, top_k_index, top_k_weights)
+    layer = getattr(self, _LAYER_ATTR)
+    if torch.compiler.is_compiling():  # a compiled decode step: the experts are one opaque operator
+        return experts_op(hidden_states, top_k_index, top_k_weights, runtime.op_key, layer)
+    return runtime.forward(self, layer, hidden_states, top_k_index, top_k_weights)
 
 
 def register() -> None:
@@ -667,3 +673,4 @@ def attach(modules: list[torch.nn.Module], runtime: ExpertRuntime) -> None:
         setattr(module, _RUNTIME_ATTR, runtime)
         setattr(module, _LAYER_ATTR, layer)
     runtime.modules = list(modules)
+    runtime.op_key = register_op_key(runtime)

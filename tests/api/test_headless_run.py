@@ -52,7 +52,7 @@ def test_moetray_without_a_display_serves_the_default_model_and_stops_on_ctrl_c(
     with open(log, "w") as err_file:
         proc = processes.spawn([sys.executable, "-m", "moetray.app.cli"], env=env, stderr=err_file,
                                stdout=subprocess.DEVNULL, text=True)
-    deadline, health = time.monotonic() + 120, None
+    deadline, health = time.monotonic() + 300, None  # a cold first start compiles the decode step
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             health = httpx.get(f"http://127.0.0.1:{DEFAULT_PORT}/health", timeout=2).json()

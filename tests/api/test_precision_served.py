@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from moetray.engine.cb.compiled_step import WARM_UP_STEPS, decode_step_of
 from moetray.engine.models import precision
 
 
@@ -50,6 +51,9 @@ def test_auto_follows_the_checkpoint_and_this_cpu(tiny_qwen3, tmp_path, start_en
     # Issue 15: a lossy format's decode steps run the compiled kernel; float32 stays exact.
     assert model["decode_kernel"] == ("compiled" if expected == "bfloat16" else "grouped_mm")
     assert (model["decode_kernel_reason"] is None) == (expected == "bfloat16")
+    # ... and so does the whole decode step (engine/cb/compiled_step.py); float32 stays eager.
+    assert model["decode_step"] == ("compiled" if expected == "bfloat16" else "eager")
+    assert (model["decode_step_reason"] is None) == (expected == "bfloat16")
     cache = engine.engine.pools.runner.manager.batch_processor.cache
     assert cache.dtype == getattr(torch, expected)
     assert _chat(engine)["usage"]["completion_tokens"] == 6
@@ -77,6 +81,9 @@ def test_int8_serves_and_says_so(tiny_qwen3, start_engine):
     assert runtime.fused.calls >= 5 * runtime.num_layers
     # ... and ran on one intra-op thread (policy.step_threads: the kernel serves, so the rule applies).
     assert engine.engine.pools.runner.step_threads == 1
+    # ... as the compiled decode step's graph (its warm-up steps, then the request's 5 decode steps).
+    assert model["decode_step"] == "compiled"
+    assert decode_step_of(engine.engine.pools.model).compiled_steps >= len(WARM_UP_STEPS) + 5
 
 
 def test_step_breakdown_counts_a_served_request(tiny_qwen3, start_engine):

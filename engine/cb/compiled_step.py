@@ -1,0 +1,192 @@
+"""The compiled decode step: a decode-size step's whole decoder as one ``torch.compile`` graph.
+
+On a small model a decode step is hundreds of small operators (norms, rotary, projections,
+residuals, the router) per layer, and in eager mode their Python dispatch costs more than their
+arithmetic. Compiled, the decoder is one graph: the elementwise work is fused into a few C++
+kernels and the projections are called back to back. Two parts cannot be traced and are opaque
+operators in the graph: a layer's routed experts (``moetray::experts``,
+``engine/experts/opaque.py``) and the paged KV write and read-back (``moetray::paged_kv`` below;
+the substrate's own ``PagedAttentionCache.update`` is ``torch.compiler.disable``-d, which would
+split the graph at every layer).
+
+Rules:
+- Only steps of at most ``max_tokens`` query tokens that read cached KV (a decode step, a small
+  batch of them, or a short follow-up chunk) take the graph; prefill runs eagerly (its matrix
+  products dominate, and prompt lengths would each be a shape to compile).
+- Compiled at start-up by :meth:`CompiledDecodeStep.warm_up` (one graph for a single token, one
+  with a symbolic token count), so no request waits for a compilation; the graphs outlive a KV
+  re-split (the new cache's update is installed the same way, and the sizes are symbolic).
+- Lossy formats only (the caller decides): fused kernels round differently from eager code, and
+  float32 stays the token-identity reference. A failed compilation logs why and leaves eager steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import types
+from typing import Any
+
+import torch
+
+from moetray.policy.step_threads import step_threads
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_moetray_decode_step"
+_STEP = threading.local()  # .cache: the paged cache of the compiled step running on this thread
+
+_LIB = torch.library.Library("moetray", "FRAGMENT")
+_LIB.define("paged_kv(Tensor key, Tensor value, Tensor read_index, Tensor write_index, int layer)"
+            " -> (Tensor, Tensor)")
+
+
+def _paged_kv(key: torch.Tensor, value: torch.Tensor, read_index: torch.Tensor, write_index: torch.Tensor,
+              layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write a layer's new keys and values into the running step's paged cache, return what
+    attention reads."""
+    allocator = _STEP.cache.layer_to_allocator[layer]
+    keys, values = allocator.update(key, value, layer, read_index, write_index)
+    if keys is key:  # nothing cached to read: the substrate hands the inputs back; an op may not alias
+        return key.clone(), value.clone()
+    return keys, values
+
+
+def _paged_kv_shape(key: torch.Tensor, value: torch.Tensor, read_index: torch.Tensor,
+                    write_index: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = read_index.shape[0]
+    return key.new_empty((tokens, *key.shape[1:])), value.new_empty((tokens, *value.shape[1:]))
+
+
+_LIB.impl("paged_kv", _paged_kv, "CompositeExplicitAutograd")
+torch.library.register_fake("moetray::paged_kv", _paged_kv_shape, lib=_LIB)
+
+
+def _traceable_update(cache, key_states, value_states, layer_idx, kwargs):  # noqa: ANN001 - the substrate's signature
+    """``PagedAttentionCache.update`` (index-based path) with the cache access as ``moetray::paged_kv``;
+    eager calls keep the substrate's own method."""
+    if not torch.compiler.is_compiling():
+        return type(cache).update(cache, key_states, value_states, layer_idx, kwargs)
+    allocator = cache.layer_to_allocator[layer_idx]
+    kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32)
+    kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
+    read_index = kwargs["read_index"][allocator.index]
+    write_index = kwargs["write_index"][allocator.index]
+    key, value = (x.squeeze(0).transpose(0, 1) for x in (key_states, value_states))  # [T, heads, dim]
+    key, value = torch.ops.moetray.paged_kv.default(key, value, read_index, write_index, layer_idx)
+    return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
+
+
+WARM_UP_STEPS = ((1, 1), (1, 2), (2, 1))
+"""(query tokens, 1/share of a page cached) of the warm-up steps: dynamo first compiles the sizes it
+sees as constants and makes a size symbolic once it varies, so a changed KV length and then a
+changed token count leave the two graphs serving use: one token, any KV length (a batch of one),
+and any token count (a batch, a short chunk)."""
+
+
+class CompiledDecodeStep:
+    """The decoder's forward, compiled for decode-size steps; counts which steps took the graph."""
+
+    def __init__(self, decoder: torch.nn.Module, *, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.eager = decoder.forward
+        self.graph = torch.compile(self.eager, fullgraph=True)  # sizes turn symbolic as they vary
+        self.reason: str | None = None  # why steps run eagerly; None while the graph serves
+        self.compiled_steps = 0
+        self.eager_steps = 0
+        decoder.forward = self.forward
+        setattr(decoder, _ATTR, self)
+
+    def serves(self, kwargs: dict[str, Any]) -> bool:
+        """A step of at most ``max_tokens`` query tokens that reads cached KV, through a cache whose
+        update is traceable, without autograd."""
+        ids = kwargs.get("input_ids")
+        reads = kwargs.get("read_index") or []
+        return (
+            self.reason is None
+            and ids is not None
+            and ids.shape[-1] <= self.max_tokens
+            and len(reads) > 0
+            and all(r.numel() > 0 for r in reads)
+            and getattr(kwargs.get("cache"), "moetray_traceable", False)
+            and not torch.is_grad_enabled()
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.serves(kwargs):
+            self.eager_steps += 1
+            return self.eager(*args, **kwargs)
+        _STEP.cache = kwargs["cache"]
+        try:
+            out = self.graph(*args, **kwargs)
+        except Exception as exc:  # a compilation failing now: serve eagerly from here on
+            self._refuse(exc)
+            self.eager_steps += 1
+            return self.eager(*args, **kwargs)
+        finally:
+            _STEP.cache = None
+        self.compiled_steps += 1
+        return out
+
+    def _refuse(self, exc: BaseException) -> None:
+        self.reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        log.warning("the decode step runs eagerly: %s", self.reason, exc_info=exc)
+
+    def install(self, cache) -> None:  # noqa: ANN001 - the substrate's PagedAttentionCache
+        """Route ``cache``'s update through ``moetray::paged_kv`` when traced (each new KV pool)."""
+        cache.moetray_traceable = True
+        cache.update = types.MethodType(_traceable_update, cache)
+
+    def warm_up(self, model_runner, model, *, page_size: int, thread_budget: int,  # noqa: ANN001
+                single_thread_decode: bool) -> None:
+        """Compile the graphs decode steps take (1 token, and a symbolic 2..max_tokens) on the
+        substrate's warm-up batches, on the threads those steps will run on (dynamo guards on the
+        thread count). Cheap once compiled: a new KV pool reuses the graphs."""
+        if self.reason is not None:
+            return
+        started = time.perf_counter()
+        before = self.compiled_steps
+        try:
+            with torch.no_grad():
+                for tokens, cached in WARM_UP_STEPS:
+                    threads = step_threads(tokens, thread_budget, single_thread_decode=single_thread_decode)
+                    if threads != torch.get_num_threads():
+                        torch.set_num_threads(threads)
+                    cached_tokens = max(1, page_size // cached)
+                    model_runner.run_one_warmup(model, num_q_tokens=tokens, max_kv_read=cached_tokens)
+        finally:
+            torch.set_num_threads(thread_budget)
+        if self.reason is None and self.compiled_steps != before + len(WARM_UP_STEPS):
+            self.reason = "the warm-up steps did not take the graph"
+        log.info("decode step warm-up: %.1f s, %s", time.perf_counter() - started,
+                 "compiled" if self.reason is None else self.reason)
+
+
+def decode_step_of(model: torch.nn.Module) -> CompiledDecodeStep | None:
+    """The compiled decode step installed on ``model``'s decoder, if any."""
+    decoder = getattr(model, "model", None)
+    return getattr(decoder, _ATTR, None)
+
+
+def decode_step_refusal(*, wanted: bool, kernel_serves: bool, hybrid: bool) -> str | None:
+    """Why a model's decode steps stay eager, or None where they are compiled.
+
+    Compiled where the experts' decode kernel serves (a lossy format on the CPU: the same rounding
+    budget, and float32 stays the eager token-identity reference) on a model whose layers all
+    trace (a hybrid's linear-attention layers keep recurrent state in Python)."""
+    if not wanted:
+        return "off (--no-compile)"
+    if not kernel_serves:
+        return "the experts' decode kernel does not serve this format or device"
+    if hybrid:
+        return "a hybrid model's linear-attention layers are not traced"
+    return None
+
+
+def install_decode_step(model: torch.nn.Module, *, max_tokens: int) -> CompiledDecodeStep:
+    """Compile ``model``'s decoder for decode-size steps (graphs are built by the first runner's
+    warm-up)."""
+    decoder = model.model
+    assert isinstance(decoder, torch.nn.Module), "a causal LM keeps its decoder as .model"
+    return CompiledDecodeStep(decoder, max_tokens=max_tokens)

@@ -1,0 +1,101 @@
+"""The compiled decode step (engine/cb/compiled_step.py) on a real tiny MoE through the real batcher:
+decode steps take the graph (counters), prefill stays eager, tokens equal transformers', the graphs
+are built at start-up and survive a KV re-split, and a failing graph falls back to eager steps.
+
+The step is installed on a float32 model here (the engine compiles it only for lossy formats): the
+graph's fused arithmetic then matches eager code to float32 rounding, so greedy tokens must be
+identical, which checks the opaque experts and paged-KV operators exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cb_runner import greedy_reference, make_runner, prompt_ids, run_all
+from torch._dynamo.utils import counters
+
+from moetray.engine.cb import Sampling
+from moetray.engine.cb.compiled_step import (
+    WARM_UP_STEPS,
+    decode_step_of,
+    decode_step_refusal,
+    install_decode_step,
+)
+from moetray.engine.experts import load_offloaded_model
+from moetray.engine.experts.fused import FUSED_MAX_TOKENS
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_moe):
+    """The tiny Qwen3-MoE (2 layers of 8 experts) on moetray's experts runtime with 8 slots (misses
+    are copied in inside the opaque operator) and the compiled decode step installed."""
+    off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.float32, capacity=8)
+    install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    return off.model
+
+
+async def test_decode_steps_take_the_graph_and_keep_transformers_tokens(tiny, compiled):
+    """Four interleaved greedy requests: every token equals `generate` on the stock model, the
+    decode steps ran as the graph and the prefill eagerly. Prevents: a wrong KV write or read-back
+    in the paged operator, the experts operator reading another layer or a stale slot, or the
+    step never wired in (the counter stays at the warm-up's)."""
+    _, tok = tiny
+    step = decode_step_of(compiled)
+    prompts = [prompt_ids(tok, f"Hello number {i}, tell me about experts") for i in range(4)]
+    refs = [greedy_reference(tiny[0], p, 10) for p in prompts]
+    runner = make_runner(compiled, policy="stock")
+    try:
+        assert step.reason is None
+        before_graph, before_eager = step.compiled_steps, step.eager_steps
+        finals = await run_all(runner, {f"r{i}": (p, 10, Sampling(temperature=0.0))
+                                        for i, p in enumerate(prompts)})
+    finally:
+        runner.stop()
+    for i, ref in enumerate(refs):
+        assert finals[f"r{i}"].generated_tokens == ref
+    assert step.compiled_steps - before_graph >= 9  # the 9 steps after the prefill's first token
+    assert step.eager_steps - before_eager >= 1  # the prompts' prefill
+
+
+def test_the_graphs_are_built_at_start_and_outlive_a_kv_resplit(compiled):
+    """Starting a runner runs the warm-up steps through the graph; a second runner (a KV re-split:
+    a new paged cache of another size) compiles nothing new. Prevents: the first request waiting
+    for a compilation, or each re-split stalling for one."""
+    step = decode_step_of(compiled)
+    before = step.compiled_steps
+    make_runner(compiled, kv_pages=64).stop()
+    assert step.reason is None and step.compiled_steps == before + len(WARM_UP_STEPS)
+    graphs = counters["stats"]["unique_graphs"]
+    make_runner(compiled, kv_pages=40).stop()
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert step.compiled_steps == before + 2 * len(WARM_UP_STEPS)
+
+
+async def test_a_failing_graph_leaves_eager_steps_with_the_same_tokens(tiny, tiny_moe, monkeypatch):
+    """A graph that raises (a compilation failing mid-serving) is refused with its reason and the
+    step reruns eagerly: the request still gets transformers' tokens. Prevents: one failed
+    compilation failing every request."""
+    _, tok = tiny
+    off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.float32, capacity=16)
+    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor could not compile this\nsecond line")
+
+    monkeypatch.setattr(step, "graph", broken)
+    prompt = prompt_ids(tok, "Fall back, please")
+    runner = make_runner(off.model, policy="off")
+    try:
+        assert step.reason == "compilation failed (RuntimeError: inductor could not compile this)"
+        finals = await run_all(runner, {"f": (prompt, 6, Sampling(temperature=0.0))})
+    finally:
+        runner.stop()
+    assert finals["f"].generated_tokens == greedy_reference(tiny[0], prompt, 6)
+    assert step.compiled_steps == 0 and step.eager_steps >= 6
+
+
+def test_compiled_only_where_the_experts_kernel_serves_on_a_traceable_model():
+    """One rule each: --no-compile, a format the kernel does not serve (float32, a GPU), a hybrid."""
+    assert decode_step_refusal(wanted=True, kernel_serves=True, hybrid=False) is None
+    assert decode_step_refusal(wanted=False, kernel_serves=True, hybrid=False) == "off (--no-compile)"
+    assert "kernel" in decode_step_refusal(wanted=True, kernel_serves=False, hybrid=False)
+    assert "hybrid" in decode_step_refusal(wanted=True, kernel_serves=True, hybrid=True)
