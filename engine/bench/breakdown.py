@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from moetray.engine.cb.compiled_step import decode_step_of
+
 _ABSENT = object()
 
 CATEGORIES = ("attention", "experts", "forward_other", "sampler", "scheduler", "outputs")
@@ -70,6 +72,7 @@ class BreakdownTotals:
     prefill_steps: int = 0
     prefill_wall_s: float = 0.0
     window_s: float = 0.0
+    attention_timed: bool = True  # False under a compiled decode step: attention is inside its graph
 
     def per_step_ms(self) -> dict[str, float | None]:
         """Milliseconds per decode step, by category, plus ``step`` (their sum and what no wrapper saw)."""
@@ -77,6 +80,8 @@ class BreakdownTotals:
         if not n:
             return {**dict.fromkeys(CATEGORIES), "step": None}
         out: dict[str, float | None] = {k: v / n * 1e3 for k, v in self.decode_parts_s.items()}
+        if not self.attention_timed:
+            out["attention"] = None  # counted in forward_other
         out["step"] = self.decode_wall_s / n * 1e3
         return out
 
@@ -100,6 +105,7 @@ class StepBreakdown:
         self._totals = BreakdownTotals()
         self._since = time.perf_counter()
         self._restore: list[tuple[Any, str, Any]] = []
+        self._attention_timed = True
 
     # --- installation --------------------------------------------------------------------
 
@@ -112,9 +118,12 @@ class StepBreakdown:
         """Wrap the step's calls (idempotent per instance: a second call does nothing)."""
         if self._restore:
             return self
+        # A compiled decode step traces its attention modules into one graph: a timer there would
+        # break the graph, so attention is not timed apart (it stays in forward_other).
+        self._attention_timed = decode_step_of(self.model) is None
         for module in self.model.modules():
             attn = getattr(module, "self_attn", None)
-            if attn is not None and hasattr(attn, "forward"):
+            if self._attention_timed and attn is not None and hasattr(attn, "forward"):
                 self._wrap(attn, "forward", self._timed_part("attention"))
         self._wrap(self.runtime, "forward", self._timed_part("experts"))
         self._wrap(self.model, "forward", self._timed_forward)
@@ -220,4 +229,5 @@ class StepBreakdown:
             return BreakdownTotals(
                 decode_steps=t.decode_steps, decode_tokens=t.decode_tokens, decode_wall_s=t.decode_wall_s,
                 decode_parts_s=dict(t.decode_parts_s), prefill_steps=t.prefill_steps,
-                prefill_wall_s=t.prefill_wall_s, window_s=time.perf_counter() - self._since)
+                prefill_wall_s=t.prefill_wall_s, window_s=time.perf_counter() - self._since,
+                attention_timed=self._attention_timed)

@@ -542,7 +542,7 @@ def render(summary: list[dict[str, Any]], *, peers: list[str], quality: dict[str
         step = e.get("step_ms")
         parts = None
         if step and step.get("step") is not None:
-            parts = " / ".join(f"{step[k]:.1f}" for k in _STEP_KEYS)
+            parts = " / ".join("—" if step[k] is None else f"{step[k]:.1f}" for k in _STEP_KEYS)
             http = e.get("http_sse_detok_ms_per_step")
             parts += f" / {http:.1f}" if http is not None else " / —"
             parts += f" (step {step['step']:.1f})"
@@ -561,7 +561,9 @@ def render(summary: list[dict[str, Any]], *, peers: list[str], quality: dict[str
              "formats take turns round by round.",
              "Step ms (per decode step, generation thread, wall): attention / experts / other forward / "
              "sampler / scheduler+ledger / outputs handed to the event loop / HTTP+SSE+detokenize "
-             "(event-loop thread CPU ms per step); (step) is the whole step.",
+             "(event-loop thread CPU ms per step); (step) is the whole step. Where the decode step is "
+             "compiled (engine/cb/compiled_step.py) attention runs inside its graph and is not timed apart "
+             "(—): it is part of other forward.",
              "Server CPU ms / token: the serving process's CPU time (all threads) over the round per token "
              "generated, a clock that other load on a shared machine disturbs less than wall time; threads "
              "busy: that CPU time over the round's wall time (2.0 = both cores).",
@@ -635,7 +637,8 @@ def goals(summary: list[dict[str, Any]], served: str | None) -> dict[str, Any]:
 
 
 def kernel_gain_note(summary: list[dict[str, Any]]) -> str:
-    """The compiled decode kernel against the grouped GEMMs, per format and batch, from the same rounds."""
+    """Compiled decode (the experts' kernel and the whole step's graph) against eager steps on the grouped
+    GEMMs (``--no-compile``), per format and batch, from the same rounds."""
     parts = []
     for e in summary:
         if not e["label"].endswith(" (grouped GEMMs)"):
@@ -648,7 +651,8 @@ def kernel_gain_note(summary: list[dict[str, Any]]) -> str:
         s = _ratio((ours.get("step_ms") or {}).get("experts"), (e.get("step_ms") or {}).get("experts"))
         if r is not None:
             parts.append(f"{base} b{e['batch']} {r:.2f}× tok/s" + (f", experts ms {s:.2f}×" if s else ""))
-    return ("Compiled decode kernel ÷ grouped GEMMs (aggregate tok/s; a step's experts ms), same rounds: "
+    return ("Compiled decode (the experts' kernel and the step's graph) ÷ --no-compile (eager steps, grouped "
+            "GEMMs) (aggregate tok/s; a step's experts ms), same rounds: "
             + ("; ".join(parts) if parts else "not measured") + ".")
 
 
