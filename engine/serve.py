@@ -279,6 +279,9 @@ def main(argv: list[str]) -> int:
     )
     tray = os.environ.get(PARENT_PID_ENV)
     stopper = interrupted_by(tray)  # under a tray, SIGINT is its Stop
+    # Listen for it even when started with SIGINT ignored (a background job of a non-interactive
+    # shell inherits SIG_IGN and Python keeps it): a Stop while loading was lost and the engine ran on.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     watch_parent(tray)
     try:
         return _serve(args, stopper)

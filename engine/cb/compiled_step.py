@@ -85,13 +85,20 @@ changed token count leave the two graphs serving use: one token, any KV length (
 and any token count (a batch, a short chunk)."""
 
 
+STEP_GRAPHS = 16
+"""Graphs the step may compile per model: the warm-up's (three, the first soon replaced) and any
+a different thread count or a new kind of step needs; at the limit a step fails and runs eagerly."""
+
+
 class CompiledDecodeStep:
     """The decoder's forward, compiled for decode-size steps; counts which steps took the graph."""
 
     def __init__(self, decoder: torch.nn.Module, *, max_tokens: int) -> None:
         self.max_tokens = max_tokens
         self.eager = decoder.forward
-        self.graph = torch.compile(self.eager, fullgraph=True)  # sizes turn symbolic as they vary
+        # Sizes turn symbolic as they vary; a few graphs per thread count (the limit is this region's).
+        self.graph = torch.compile(  # type: ignore[call-overload]  # torch 2.13's stubs lack recompile_limit
+            self.eager, fullgraph=True, recompile_limit=STEP_GRAPHS)
         self.reason: str | None = None  # why steps run eagerly; None while the graph serves
         self.compiled_steps = 0
         self.eager_steps = 0

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moetray.engine.experts.fused import KERNEL_GRAPHS
-
 if TYPE_CHECKING:
     from moetray.engine.experts.runtime import ExpertRuntime
 
@@ -40,10 +38,6 @@ def register(runtime: ExpertRuntime) -> int:
 def _experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
              runtime: int, layer: int) -> torch.Tensor:
     served = _RUNTIMES[runtime]
-    # The compiled step runs under dynamo's compile-time configuration, where the recompile limit is
-    # the default 8 again; the decode kernel called from here may need more graphs (fused.KERNEL_GRAPHS).
-    if torch._dynamo.config.recompile_limit < KERNEL_GRAPHS:
-        torch._dynamo.config.recompile_limit = KERNEL_GRAPHS
     return served.forward(served.modules[layer], layer, hidden_states, top_k_index, top_k_weights)
 
 

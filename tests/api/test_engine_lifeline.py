@@ -106,3 +106,24 @@ def test_a_stop_while_the_engine_loads_ends_cleanly_as_the_trays_stop(tiny_qwen3
     assert engine.returncode == 0, out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert f"stopped by the tray (pid {os.getpid()})" in out
+
+
+def test_a_stop_reaches_an_engine_started_with_sigint_ignored(tiny_qwen3, tmp_path):
+    """A tray started as a background job of a non-interactive shell passes SIGINT on as ignored,
+    and Python keeps it so: the engine listens anyway. Prevents: a Stop during the load lost, the
+    engine loading and serving on (found by a fresh-clone CI run started with ``&``)."""
+    env = _env(tmp_path)
+    env[wire.PARENT_PID_ENV] = str(os.getpid())
+    engine = subprocess.Popen(_engine_argv(tiny_qwen3, tmp_path, free_port()), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        time.sleep(2.0)  # past the engine's own start-up code, still loading
+        engine.send_signal(signal.SIGINT)
+        out, _ = engine.communicate(timeout=120)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+    assert engine.returncode == 0, out[-3000:]
+    assert f"stopped by the tray (pid {os.getpid()})" in out
