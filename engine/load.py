@@ -186,8 +186,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         kernel_serves=runtime.fused is not None,
         hybrid=StateGeometry.from_config(loaded.model.config, dtype) is not None,
     )
-    if step_refused is None:
-        progress("compiling the decode step", 0, None)
+    if step_refused is None:  # compiled by the first runner's start (pools.open)
         install_decode_step(loaded.model, max_tokens=FUSED_MAX_TOKENS)
     eos_ids = loader.eos_token_ids(loaded.model, loaded.tokenizer)
     progress("probing the chat template", 0, 1)

@@ -33,6 +33,7 @@ from typing import Any
 
 from moetray.engine.budget import ContextCeiling, DeviceBudget
 from moetray.engine.cb import BatchRunner, RunnerConfig, kv_bytes_per_page, kv_overhead_bytes
+from moetray.engine.cb.compiled_step import decode_step_of
 from moetray.engine.cb.state import StateGeometry
 from moetray.policy.pool_budget import PoolBudget, reserve_pages
 from moetray.policy.pool_sizes import MIN_STATE_SLOTS, PoolFloors, PoolSizes, RebuildRequest
@@ -149,6 +150,8 @@ class Pools:
         if sizes.moe_slots != self.runtime.capacity:
             self.runtime.resize(sizes.moe_slots)
         stage = "the KV and state pools" if self.budget.has_state_pool else "the KV pool"
+        if decode_step_of(self.model) is not None:  # the runner's start builds the step's graphs
+            stage += " and compiling the decode step"
         progress(f"allocating {stage}", 0, 1)
         self.open_kv(sizes.kv_pages, sizes.state_slots)
 

@@ -221,8 +221,8 @@ class BatchRunner:
                     manager.warmup()  # builds the batch processor (and so the KV pool) on this thread
                 processor = manager.batch_processor
                 cache = processor.cache
-                step = decode_step_of(self.model)
-                if step is not None and geometry is None:
+                step = decode_step_of(self.model)  # never on a hybrid (refused at load)
+                if step is not None:
                     step.install(cache)
                     step.warm_up(processor.model_runner, self.model, page_size=cfg.page_size,
                                  thread_budget=cfg.thread_budget or torch.get_num_threads(),

@@ -90,20 +90,28 @@ def test_an_engine_ends_when_its_tray_is_killed(tiny_qwen3, tmp_path):
             os.killpg(engine_pid, signal.SIGKILL)
 
 
-def test_a_stop_while_the_engine_loads_ends_cleanly_as_the_trays_stop(tiny_qwen3, tmp_path):
+def _stopped_while_loading(model: Path, tmp_path: Path, after_s: float, **popen) -> tuple[int, str]:
+    """Start an engine as a tray's child, send its Stop (SIGINT) after ``after_s``; its exit code and
+    output (it must end within 120 s)."""
     env = _env(tmp_path)
     env[wire.PARENT_PID_ENV] = str(os.getpid())
-    engine = subprocess.Popen(_engine_argv(tiny_qwen3, tmp_path, free_port()), env=env,
+    engine = subprocess.Popen(_engine_argv(model, tmp_path, free_port()), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+                              start_new_session=True, **popen)
     try:
-        time.sleep(0.5)  # still importing torch: the moment a Stop used to print a traceback
+        time.sleep(after_s)
         engine.send_signal(signal.SIGINT)
         out, _ = engine.communicate(timeout=120)
     finally:
         if engine.poll() is None:
             engine.kill()
-    assert engine.returncode == 0, out[-3000:]
+    return engine.returncode, out
+
+
+def test_a_stop_while_the_engine_loads_ends_cleanly_as_the_trays_stop(tiny_qwen3, tmp_path):
+    # 0.5 s: still importing torch, the moment a Stop used to print a traceback
+    returncode, out = _stopped_while_loading(tiny_qwen3, tmp_path, 0.5)
+    assert returncode == 0, out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert f"stopped by the tray (pid {os.getpid()})" in out
 
@@ -112,18 +120,8 @@ def test_a_stop_reaches_an_engine_started_with_sigint_ignored(tiny_qwen3, tmp_pa
     """A tray started as a background job of a non-interactive shell passes SIGINT on as ignored,
     and Python keeps it so: the engine listens anyway. Prevents: a Stop during the load lost, the
     engine loading and serving on (found by a fresh-clone CI run started with ``&``)."""
-    env = _env(tmp_path)
-    env[wire.PARENT_PID_ENV] = str(os.getpid())
-    engine = subprocess.Popen(_engine_argv(tiny_qwen3, tmp_path, free_port()), env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True,
-                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    try:
-        time.sleep(2.0)  # past the engine's own start-up code, still loading
-        engine.send_signal(signal.SIGINT)
-        out, _ = engine.communicate(timeout=120)
-    finally:
-        if engine.poll() is None:
-            engine.kill()
-    assert engine.returncode == 0, out[-3000:]
+    # 2 s: past the engine's own start-up code, still loading
+    returncode, out = _stopped_while_loading(
+        tiny_qwen3, tmp_path, 2.0, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert returncode == 0, out[-3000:]
     assert f"stopped by the tray (pid {os.getpid()})" in out
