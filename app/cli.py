@@ -60,5 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     return run_tray(argv)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def clear_caught_interrupt() -> None:
+    """Forget a Stop that was caught and answered, so ``python -m`` exits with our code.
+
+    CPython marks a KeyboardInterrupt that ends a *string* ``exec`` (dataclasses and namedtuple
+    build their methods that way while modules import) as unhandled, even when a caller catches
+    it, and under ``-m`` it then kills itself with SIGINT after a clean return (exit -2 instead of
+    0: a Stop in the first second, intermittently). The flag is reset at the start of every string
+    evaluation, so one empty one clears it; an interrupt nobody caught never gets here.
+    """
+    exec("")
+
+
+if __name__ == "__main__":  # how the tray starts its engine: python -m moetray.app.cli serve
+    code = main()
+    clear_caught_interrupt()
+    sys.exit(code)

@@ -125,3 +125,25 @@ def test_a_stop_reaches_an_engine_started_with_sigint_ignored(tiny_qwen3, tmp_pa
         tiny_qwen3, tmp_path, 2.0, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert returncode == 0, out[-3000:]
     assert f"stopped by the tray (pid {os.getpid()})" in out
+
+
+def test_a_stop_caught_in_a_string_exec_still_exits_with_the_engines_code(tmp_path):
+    """CPython (``-m``) marks a KeyboardInterrupt that ended a string ``exec`` as unhandled even when
+    caught, and then dies of SIGINT after a clean return; ``clear_caught_interrupt`` (called by the
+    CLI's ``__main__``) forgets it. Prevents: a Stop in the engine's first second exiting -2 (seen
+    intermittently: a SIGINT landing while dataclasses build their methods)."""
+    (tmp_path / "stopped_in_exec.py").write_text(
+        "import sys\n"
+        "try:\n"
+        "    exec('raise KeyboardInterrupt')  # how a Stop lands inside a dataclass being built\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+        "if sys.argv[1:] == ['clear']:\n"
+        "    from moetray.app.cli import clear_caught_interrupt\n"
+        "    clear_caught_interrupt()\n"
+        "sys.exit(0)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    cleared = subprocess.run([sys.executable, "-m", "stopped_in_exec", "clear"], env=env, timeout=120)
+    assert cleared.returncode == 0
+    kept = subprocess.run([sys.executable, "-m", "stopped_in_exec"], env=env, timeout=120)
+    assert kept.returncode == -signal.SIGINT  # the quirk itself, so the test above can fail
