@@ -328,29 +328,30 @@ def _serve(args: argparse.Namespace, stopper: str) -> int:
     except (UnsafeTokenPath, OSError) as exc:
         print(f"moetray serve: cannot keep the admin token safely: {exc}", file=sys.stderr)
         return 2
-    if credentials.token_file is not None:
-        log.info("admin token written to %s (mode 0600)", credentials.token_file)
-    else:
-        log.info("admin token taken from the environment")
-    from moetray.engine.core import Engine
+    try:  # the token file goes with the engine, however it ends (a Stop while it imports too)
+        if credentials.token_file is not None:
+            log.info("admin token written to %s (mode 0600)", credentials.token_file)
+        else:
+            log.info("admin token taken from the environment")
+        from moetray.engine.core import Engine
 
-    engine = Engine(options)
-    server = make_server(
-        engine,
-        credentials,
-        HostPolicy(frozenset(h.lower() for h in args.allowed_host)),
-        log_level=args.log_level,
-        max_body_bytes=args.max_body_bytes,
-    )
-    shown = f"[{args.host}]" if ":" in args.host else args.host
-    log.info(
-        "moetray engine listening on http://%s:%d (model loads in the background; see /health)", shown, port
-    )
-    forget_on_signal(credentials)
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn already shut down gracefully, then re-raised the signal
-        log.info("stopped by %s", stopper)
+        engine = Engine(options)
+        server = make_server(
+            engine,
+            credentials,
+            HostPolicy(frozenset(h.lower() for h in args.allowed_host)),
+            log_level=args.log_level,
+            max_body_bytes=args.max_body_bytes,
+        )
+        shown = f"[{args.host}]" if ":" in args.host else args.host
+        log.info(
+            "moetray engine listening on http://%s:%d (model loads in the background; see /health)", shown, port
+        )
+        forget_on_signal(credentials)
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn already shut down gracefully, then re-raised the signal
+            log.info("stopped by %s", stopper)
     finally:
         credentials.forget()
     return 0

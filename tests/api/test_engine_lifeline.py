@@ -125,6 +125,8 @@ def test_a_stop_reaches_an_engine_started_with_sigint_ignored(tiny_qwen3, tmp_pa
         tiny_qwen3, tmp_path, 2.0, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert returncode == 0, out[-3000:]
     assert f"stopped by the tray (pid {os.getpid()})" in out
+    # A token file written before the Stop goes with the engine, however far it got.
+    assert not list((tmp_path / "run").rglob("*.token")), out[-3000:]
 
 
 def test_a_stop_caught_in_a_string_exec_still_exits_with_the_engines_code(tmp_path):
