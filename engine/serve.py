@@ -344,9 +344,8 @@ def _serve(args: argparse.Namespace, stopper: str) -> int:
             max_body_bytes=args.max_body_bytes,
         )
         shown = f"[{args.host}]" if ":" in args.host else args.host
-        log.info(
-            "moetray engine listening on http://%s:%d (model loads in the background; see /health)", shown, port
-        )
+        log.info("moetray engine listening on http://%s:%d (model loads in the background; see /health)",
+                 shown, port)
         forget_on_signal(credentials)
         try:
             server.run(sockets=[sock])

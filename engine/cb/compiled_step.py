@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from moetray.engine.cb.one_row import OneRowHead, install_one_row_products, step_backend
 from moetray.policy.step_threads import step_threads
 
 log = logging.getLogger(__name__)
@@ -93,12 +94,13 @@ a different thread count or a new kind of step needs; at the limit a step fails 
 class CompiledDecodeStep:
     """The decoder's forward, compiled for decode-size steps; counts which steps took the graph."""
 
-    def __init__(self, decoder: torch.nn.Module, *, max_tokens: int) -> None:
+    def __init__(self, decoder: torch.nn.Module, *, max_tokens: int, head: OneRowHead | None = None) -> None:
         self.max_tokens = max_tokens
+        self.head = head  # the LM head's one-row products (engine/cb/one_row.py), half precision only
         self.eager = decoder.forward
         # Sizes turn symbolic as they vary; a few graphs per thread count (the limit is this region's).
         self.graph = torch.compile(  # type: ignore[call-overload]  # torch 2.13's stubs lack recompile_limit
-            self.eager, fullgraph=True, recompile_limit=STEP_GRAPHS)
+            self.eager, backend=step_backend, fullgraph=True, recompile_limit=STEP_GRAPHS)
         self.reason: str | None = None  # why steps run eagerly; None while the graph serves
         self.compiled_steps = 0
         self.eager_steps = 0
@@ -192,8 +194,9 @@ def decode_step_refusal(*, wanted: bool, kernel_serves: bool, hybrid: bool) -> s
 
 
 def install_decode_step(model: torch.nn.Module, *, max_tokens: int) -> CompiledDecodeStep:
-    """Compile ``model``'s decoder for decode-size steps (graphs are built by the first runner's
-    warm-up)."""
+    """Compile ``model``'s decoder for decode-size steps, its one-row products as a multiply-and-sum
+    (graphs are built by the first runner's warm-up)."""
     decoder = model.model
     assert isinstance(decoder, torch.nn.Module), "a causal LM keeps its decoder as .model"
-    return CompiledDecodeStep(decoder, max_tokens=max_tokens)
+    head = install_one_row_products(model)
+    return CompiledDecodeStep(decoder, max_tokens=max_tokens, head=head)

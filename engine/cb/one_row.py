@@ -1,0 +1,135 @@
+"""One-row products and one-query attention as loops the compiler writes itself.
+
+A decode step of one request multiplies every weight matrix by a single row of activations.
+torch's CPU matrix product is built for many rows: for one row of bfloat16 it runs a generic dot
+kernel at ~5 G weights/s on one core of this machine, while the same product written as a
+broadcast multiply and a float32 sum over the inputs compiles (inductor, C++) to a vector loop
+that streams the weights at ~13-15 G weights/s. With more rows that loop reads the weights once
+per row (4 rows: half the speed of the matrix product), so only one-row products take it.
+
+Rules:
+- Traced inside the compiled decode step, a decoder's plain ``nn.Linear`` with a bfloat16 or
+  float16 weight and one input row is the multiply-and-sum; other shapes keep ``F.linear``.
+- The LM head runs after the decoder, eagerly: its one-row products call a small compiled region
+  of the same formula (the largest matrix of a small model: vocabulary × hidden). A failure there
+  logs why and keeps ``F.linear``.
+- Eager calls (prefill, a refused graph) and float32 weights (the token-identity reference) are
+  untouched. The rounding is the lossy formats' own: float32 accumulation, one final rounding.
+
+Attention of one query token (a decode step of one request) is the same story: torch's CPU flash
+attention kernel, called per head on a few hundred cached keys, costs more in set-up than in
+arithmetic. In the compiled step its operator is decomposed (:func:`step_backend`) into
+float32 multiply-and-sums and a softmax that inductor fuses; more query tokens keep the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+log = logging.getLogger(__name__)
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def one_row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as a broadcast multiply and a float32 sum over the inputs."""
+    out = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def _one_row(x: torch.Tensor) -> bool:
+    return x.numel() == x.shape[-1]
+
+
+def _traced_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling() and _one_row(x):
+        return one_row_product(x, self.weight, self.bias)
+    return F.linear(x, self.weight, self.bias)
+
+
+class OneRowHead:
+    """The LM head's forward: one-row products through a compiled multiply-and-sum; counts them."""
+
+    def __init__(self, head: nn.Linear) -> None:
+        self.head = head
+        self.graph = torch.compile(one_row_product, fullgraph=True, dynamic=False)
+        self.reason: str | None = None  # why the head keeps F.linear; None while the region serves
+        self.one_row_calls = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        if self.reason is None and _one_row(x) and not torch.is_grad_enabled():
+            try:
+                out = self.graph(x, head.weight, head.bias)
+            except Exception as exc:  # noqa: BLE001 - a compilation failing: keep the library's product
+                self.reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+                log.warning("the LM head's one-row products use F.linear: %s", self.reason, exc_info=exc)
+            else:
+                self.one_row_calls += 1
+                return out
+        return F.linear(x, head.weight, head.bias)
+
+
+def install_one_row_products(model: nn.Module) -> OneRowHead | None:
+    """Route ``model``'s half-precision one-row products as the rules say: the decoder's plain
+    linears when traced, the LM head eagerly. Returns the head's router (None: not half precision)."""
+    decoder = model.model
+    assert isinstance(decoder, nn.Module), "a causal LM keeps its decoder as .model"
+    for module in decoder.modules():
+        if type(module) is nn.Linear and module.weight.dtype in HALF_DTYPES:
+            module.forward = types.MethodType(_traced_linear, module)  # type: ignore[method-assign]
+    head = getattr(model, "lm_head", None)
+    if type(head) is not nn.Linear or head.weight.dtype not in HALF_DTYPES:
+        return None
+    router = OneRowHead(head)
+    head.forward = router  # type: ignore[method-assign,assignment]
+    return router
+
+
+def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
+                        is_causal: bool = False, *, attn_mask: torch.Tensor | None = None,
+                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | Any:
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` for one query token: (output, logsumexp)
+    in float32 multiply-and-sums (grouped KV heads read in place). Anything else is left to the
+    kernel (``NotImplemented``)."""
+    if not statically_known_true(query.shape[2] == 1) or dropout_p != 0.0 or is_causal:
+        return NotImplemented
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    q = query.float().reshape(batch, kv_heads, group, 1, dim) * scale
+    scores = (q * key.float().unsqueeze(2)).sum(-1)  # [batch, kv_heads, group, keys]
+    if attn_mask is not None:  # additive, the query's dtype (the kernel's own contract)
+        mask = attn_mask.float().expand(batch, heads, 1, key.shape[2])
+        scores = scores + mask.reshape(batch, kv_heads, group, key.shape[2])
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    weights = torch.exp(scores - lse)
+    out = (weights.unsqueeze(-1) * value.float().unsqueeze(2)).sum(-2)  # [batch, kv_heads, group, dim]
+    return out.reshape(batch, heads, 1, dim).to(query.dtype), lse.reshape(batch, heads, 1)
+
+
+def step_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """Inductor with one-query attention decomposed (the compiled step's backend).
+
+    AOTAutograd's disk cache is off for this graph: its key does not cover a backend's own
+    decompositions, so it would hand back a graph traced without them (measured: the flash kernel
+    again after an upgrade). Inductor's own cache, keyed by the decomposed graph, still serves.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    table = {**select_decomp_table(),
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: one_query_attention}
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(graph, example_inputs, decompositions=table)

@@ -1,0 +1,86 @@
+"""One-row products and one-query attention (engine/cb/one_row.py): the formulas equal torch's
+kernels, and a half-precision compiled decode step takes them (its decoder's linears, its LM head,
+its attention) on a real tiny MoE through the real batcher."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_cb_runner import make_runner, prompt_ids, run_all
+from torch import nn
+
+from moetray.engine.cb import Sampling, one_row
+from moetray.engine.cb.compiled_step import install_decode_step
+from moetray.engine.experts import load_offloaded_model
+from moetray.engine.experts.fused import FUSED_MAX_TOKENS
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def test_a_one_row_product_is_the_linear_product():
+    """Float32 accumulation, one rounding: float32 equal to rounding, bfloat16 within one bf16
+    step of the library's product. Prevents: a transposed weight or a dropped bias."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(1, 1, 96), torch.randn(40, 96), torch.randn(40)
+    torch.testing.assert_close(one_row.one_row_product(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    got, want = one_row.one_row_product(xb, wb, None), F.linear(xb, wb)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("mask", ["none", "additive"])
+def test_one_query_attention_is_the_flash_kernels_result(mask):
+    """Grouped KV heads (9 query heads on 3), with and without an additive padding mask: output and logsumexp
+    equal the kernel's in float32. Prevents: a head read from the wrong KV group or a mask ignored."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 9, 1, 16), torch.randn(2, 3, 11, 16), torch.randn(2, 3, 11, 16)
+    keep = torch.ones(2, 1, 1, 11, dtype=torch.bool)
+    keep[0, ..., 7:] = False
+    attn_mask = {"none": None, "additive": torch.zeros(2, 1, 1, 11).masked_fill(~keep, -math.inf)}[mask]
+    want_out, want_lse = FLASH(q, k, v, attn_mask=attn_mask, scale=0.3)[:2]
+    got_out, got_lse = one_row.one_query_attention(q, k, v, attn_mask=attn_mask, scale=0.3)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse.reshape(got_lse.shape), rtol=1e-5, atol=1e-5)
+
+
+def test_more_query_tokens_or_a_causal_mask_are_left_to_the_kernel():
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 5, 8)
+    assert one_row.one_query_attention(q, k, k) is NotImplemented
+    assert one_row.one_query_attention(q[:, :, :1], k, k, is_causal=True) is NotImplemented
+
+
+async def test_a_half_precision_decode_step_takes_the_one_row_paths(tiny, tiny_moe, monkeypatch):
+    """bfloat16 tiny MoE with the compiled step: the start-up compilation decomposes one-query
+    attention, the decoder's linears are routed, and every decode step's LM head takes the compiled
+    one-row product. Prevents: the backend, the linears' routing or the head's router never wired
+    (each is a counter or a check that stays put)."""
+    _, tok = tiny
+    decomposed, decompose = [], one_row.one_query_attention
+
+    def counted(*args, **kwargs):
+        out = decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            decomposed.append(args[0].shape)
+        return out
+
+    monkeypatch.setattr(one_row, "one_query_attention", counted)
+    off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8)
+    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    linears = [m for m in off.model.model.modules() if type(m) is nn.Linear]
+    assert linears and all(m.forward.__func__ is one_row._traced_linear for m in linears)
+    assert step.head is not None and off.model.lm_head.forward is step.head
+    runner = make_runner(off.model, policy="off")
+    try:
+        assert step.reason is None and decomposed  # compiled at start, attention decomposed
+        before = step.head.one_row_calls, step.compiled_steps
+        finals = await run_all(runner, {"h": (prompt_ids(tok, "One row at a time"), 6,
+                                              Sampling(temperature=0.0))})
+    finally:
+        runner.stop()
+    assert len(finals["h"].generated_tokens) == 6
+    decode_steps = step.compiled_steps - before[1]
+    assert decode_steps >= 5 and step.head.one_row_calls - before[0] >= decode_steps
