@@ -25,6 +25,7 @@ gate) the runtime says why and keeps the grouped path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -160,9 +161,16 @@ class FusedExperts:
 
     def _run(self, module: ExpertsModule, states: torch.Tensor, slots: torch.Tensor,
              weights: torch.Tensor) -> torch.Tensor:
+        return self.traced(module, states, slots, weights, kernel=_compiled)
+
+    def traced(self, module: ExpertsModule, states: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+               *, kernel: Callable[..., torch.Tensor] = _experts) -> torch.Tensor:
+        """The kernel's arithmetic on this pool. Called from a compiled decode step's trace, it is
+        part of that graph (no compiled call of its own, no guards per layer); the slots come from
+        the step's ``moetray::expert_slots``, which counts the call."""
         v = self.views
-        return _compiled(module, states, slots, weights, v.first, v.first_scale, v.first_bias,
-                         v.down, v.down_scale, v.down_bias, self.geometry.has_gate, self.transposed)
+        return kernel(module, states, slots, weights, v.first, v.first_scale, v.first_bias,
+                      v.down, v.down_scale, v.down_bias, self.geometry.has_gate, self.transposed)
 
     def warm_up(self, module: ExpertsModule, hidden: int, dtype: torch.dtype, top_k: int) -> None:
         """Compile now (batch 1, then batch 2, after which the batch size is symbolic), so the first

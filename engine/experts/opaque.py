@@ -1,12 +1,15 @@
-"""A layer's routed experts as one opaque operator, ``moetray::experts``, for a compiled decode step.
+"""A layer's routed experts in a compiled decode step: what cannot be traced as opaque operators.
 
 A compiled step (``engine/cb/compiled_step.py``) traces the whole decoder into one graph, but a
 layer's experts call cannot be traced: it plans against the expert cache, copies missed experts
 into slots and counts hits, all Python state. So under ``torch.compile`` the experts interface
 calls this operator instead: the graph sees ``[T, H], [T, k], [T, k] → [T, H]`` (the fake kernel
 gives the shape), and at run time the kernel is the runtime's own eager ``forward`` (which runs
-the compiled decode kernel where it serves). The runtime is found by a small integer key the
-graph holds as a constant: a registry entry per runtime, dropped with the runtime.
+the compiled decode kernel where it serves). Where that kernel serves, only the planning is
+opaque: ``moetray::expert_slots`` (``[T, k]`` routed experts → ``[T, k]`` slots, misses copied in,
+the call counted) and the kernel's arithmetic is traced into the step's graph after it. The runtime
+is found by a small integer key the graph holds as a constant: a registry entry per runtime,
+dropped with the runtime.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ _KEYS = itertools.count(1)
 _LIB = torch.library.Library("moetray", "FRAGMENT")
 _LIB.define("experts(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, int runtime, int layer)"
             " -> Tensor")
+_LIB.define("expert_slots(Tensor top_k_index, int runtime, int layer) -> Tensor")
 
 
 def register(runtime: ExpertRuntime) -> int:
@@ -46,7 +50,24 @@ def _experts_shape(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
     return torch.empty_like(hidden_states)
 
 
+def _expert_slots(top_k_index: torch.Tensor, runtime: int, layer: int) -> torch.Tensor:
+    served = _RUNTIMES[runtime]
+    slots = served.fused_slots(layer, top_k_index)
+    if slots is None:  # the step fails and reruns eagerly, where the grouped path serves them
+        raise ValueError(f"layer {layer}: expert-parallel routing, which the decode kernel does not serve")
+    assert served.fused is not None, "the step traces this operator only where the kernel serves"
+    served.fused.calls += 1
+    return slots
+
+
+def _expert_slots_shape(top_k_index: torch.Tensor, runtime: int, layer: int) -> torch.Tensor:
+    return torch.empty_like(top_k_index, dtype=torch.long)
+
+
 _LIB.impl("experts", _experts, "CompositeExplicitAutograd")
 torch.library.register_fake("moetray::experts", _experts_shape, lib=_LIB)
+_LIB.impl("expert_slots", _expert_slots, "CompositeExplicitAutograd")
+torch.library.register_fake("moetray::expert_slots", _expert_slots_shape, lib=_LIB)
 
 experts_op = torch.ops.moetray.experts.default
+expert_slots_op = torch.ops.moetray.expert_slots.default

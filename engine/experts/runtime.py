@@ -62,7 +62,7 @@ from moetray.engine.experts.hf import (
     register_experts_function,
 )
 from moetray.engine.experts.int8 import Int8ExpertStore, Int8Weight, int8_gemm
-from moetray.engine.experts.opaque import experts_op
+from moetray.engine.experts.opaque import expert_slots_op, experts_op
 from moetray.engine.experts.opaque import register as register_op_key
 from moetray.engine.experts.slots import LinkThrottle, SlotPool, TorchSlotDevice
 from moetray.engine.experts.store import ExpertStore, unpack_row
@@ -322,18 +322,31 @@ class ExpertRuntime:
         """A small batch through the compiled kernel: plan and copy as the grouped path does, then
         one kernel call over every token-expert pair's slot (every routed expert has one here:
         the kernel serves no host share)."""
-        pairs = top_k_index.tolist()  # the call's one host read of the routing
-        routed = sorted({expert for row in pairs for expert in row})
-        if routed and routed[-1] >= self.num_experts:  # expert-parallel sentinels: the grouped path skips
-            return self._forward_grouped(module, layer, hidden_states, top_k_index, top_k_weights)
         with self._lock:  # held for the whole call: a resize never swaps rows mid-compute
-            plan = self._plan(layer, routed)
-            self._fill(layer, plan, len(pairs))
-            slot_of = dict(zip(routed, plan.slots, strict=True))
-            slots = torch.tensor([[slot_of[e] for e in row] for row in pairs], dtype=torch.long)
+            slots = self.fused_slots(layer, top_k_index)
+            if slots is None:  # expert-parallel sentinels: the grouped path skips them
+                return self._forward_grouped(module, layer, hidden_states, top_k_index, top_k_weights)
             kernel = self.fused
             assert kernel is not None, "forward() takes this path only with a kernel"
             return kernel(module, hidden_states, slots, top_k_weights)
+
+    def fused_slots(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor | None:
+        """``[T, k]`` routed experts → ``[T, k]`` the slots the decode kernel reads them from: plan,
+        copy the misses in and count the call, as the grouped path does (one host read of the
+        routing); None for expert-parallel sentinels (ids past the experts), which it does not serve.
+
+        The kernel's caller computes next: in a compiled step that is the step's own graph
+        (``moetray::expert_slots``), after this returns and before the next layer plans; pools
+        are resized only between steps (the paused loop)."""
+        pairs = top_k_index.tolist()
+        routed = sorted({expert for row in pairs for expert in row})
+        if routed and routed[-1] >= self.num_experts:
+            return None
+        with self._lock:
+            plan = self._plan(layer, routed)
+            self._fill(layer, plan, len(pairs))
+        slot_of = dict(zip(routed, plan.slots, strict=True))
+        return torch.tensor([[slot_of[e] for e in row] for row in pairs], dtype=torch.long)
 
     def _host_expert(self, module: ExpertsModule, ops: Operands, states: torch.Tensor) -> torch.Tensor:
         """One expert of the CPU share on a CUDA device: computed by the CPU from the host store."""
@@ -657,7 +670,12 @@ def moetray_experts_forward(self: ExpertsModule, hidden_states: torch.Tensor, to
         raise RuntimeError(f"{type(self).__name__} is not attached to a moetray ExpertRuntime; "
                            "load the model with moetray.engine.experts.load_offloaded_model")
     layer = getattr(self, _LAYER_ATTR)
-    if torch.compiler.is_compiling():  # a compiled decode step: the experts are one opaque operator
+    if torch.compiler.is_compiling():  # a compiled decode step: plan opaquely, compute in the graph
+        kernel = runtime.fused
+        small = top_k_index.shape[0] <= FUSED_MAX_TOKENS
+        if kernel is not None and runtime.compute == "grouped_mm" and small:
+            slots = expert_slots_op(top_k_index, runtime.op_key, layer)
+            return kernel.traced(self, hidden_states, slots, top_k_weights)
         return experts_op(hidden_states, top_k_index, top_k_weights, runtime.op_key, layer)
     return runtime.forward(self, layer, hidden_states, top_k_index, top_k_weights)
 

@@ -126,3 +126,33 @@ def test_a_failed_compilation_leaves_the_grouped_path(tiny_moe, tmp_path):
     finally:
         torch._dynamo.reset()  # later tests compile afresh with the real compiler
 
+
+
+@pytest.mark.parametrize(("family", "layout"), FAMILIES)
+def test_traced_the_kernel_computes_in_the_callers_graph_after_the_opaque_plan(tiny_moe, family, layout):
+    """As in a compiled decode step: a traced layer call plans through ``moetray::expert_slots``
+    (misses copied in, the call counted) and the kernel's arithmetic is part of the caller's graph;
+    its result is the eager kernel call's. Prevents: the graph reading a slot before the plan filled
+    it, another layer's slots, or the plan never counted."""
+    from moetray.engine.experts.runtime import moetray_experts_forward
+
+    off = _runtime(tiny_moe(family, layout), capacity=8)
+    rt = off.runtime
+    ops = set()
+
+    def recording(graph, example_inputs):  # what the caller's graph holds, then run it as traced
+        ops.update(node.target for node in graph.graph.nodes if node.op == "call_function")
+        return graph
+
+    traced = torch.compile(moetray_experts_forward, backend=recording, fullgraph=True, dynamic=False)
+    copied = rt.pool.bytes_copied
+    with torch.no_grad():
+        for seed, tokens in enumerate((1, 2, 1, 2)):
+            module, layer, states, index, weights = _call(rt, seed % rt.num_layers, tokens, seed)
+            before = rt.fused.calls
+            got = traced(module, states, index, weights)
+            assert rt.fused.calls == before + 1
+            want = rt.forward(module, layer, states, index, weights)
+            assert _rel(got, want) < 1e-2, (tokens, _rel(got, want))  # bf16 rounding; a wrong slot: ~1
+    assert rt.pool.bytes_copied > copied  # the traced calls' plans copied their misses in
+    assert torch.ops.moetray.expert_slots.default in ops and torch.ops.moetray.experts.default not in ops
