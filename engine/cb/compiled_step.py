@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from moetray.engine.cb.one_row import OneRowHead, install_one_row_products, step_backend
+from moetray.engine.cb.one_row import OneRowHead, install_one_query_attention, install_one_row_products
 from moetray.policy.step_threads import step_threads
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class CompiledDecodeStep:
         self.eager = decoder.forward
         # Sizes turn symbolic as they vary; a few graphs per thread count (the limit is this region's).
         self.graph = torch.compile(  # type: ignore[call-overload]  # torch 2.13's stubs lack recompile_limit
-            self.eager, backend=step_backend, fullgraph=True, recompile_limit=STEP_GRAPHS)
+            self.eager, fullgraph=True, recompile_limit=STEP_GRAPHS)
         self.reason: str | None = None  # why steps run eagerly; None while the graph serves
         self.compiled_steps = 0
         self.eager_steps = 0
@@ -199,4 +199,5 @@ def install_decode_step(model: torch.nn.Module, *, max_tokens: int) -> CompiledD
     decoder = model.model
     assert isinstance(decoder, torch.nn.Module), "a causal LM keeps its decoder as .model"
     head = install_one_row_products(model)
+    install_one_query_attention()
     return CompiledDecodeStep(decoder, max_tokens=max_tokens, head=head)

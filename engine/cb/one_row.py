@@ -10,16 +10,18 @@ per row (4 rows: half the speed of the matrix product), so only one-row products
 Rules:
 - Traced inside the compiled decode step, a decoder's plain ``nn.Linear`` with a bfloat16 or
   float16 weight and one input row is the multiply-and-sum; other shapes keep ``F.linear``.
-- The LM head runs after the decoder, eagerly: its one-row products call a small compiled region
-  of the same formula (the largest matrix of a small model: vocabulary × hidden). A failure there
-  logs why and keeps ``F.linear``.
+- The LM head runs after the decoder, eagerly: its one-row products on the decode steps' one
+  thread call a small compiled region of the same formula (the largest matrix of a small model:
+  vocabulary × hidden). Under more threads (a prefill's last-token logits) it keeps ``F.linear``
+  rather than compile again mid-request; a failure logs why and keeps ``F.linear`` too.
 - Eager calls (prefill, a refused graph) and float32 weights (the token-identity reference) are
   untouched. The rounding is the lossy formats' own: float32 accumulation, one final rounding.
 
 Attention of one query token (a decode step of one request) is the same story: torch's CPU flash
 attention kernel, called per head on a few hundred cached keys, costs more in set-up than in
-arithmetic. In the compiled step its operator is decomposed (:func:`step_backend`) into
-float32 multiply-and-sums and a softmax that inductor fuses; more query tokens keep the kernel.
+arithmetic. Traced in the compiled step, transformers' ``"sdpa"`` attention of one query token is
+float32 multiply-and-sums and a softmax that inductor fuses (:func:`one_query_sdpa`); more query
+tokens, and every eager call, keep the kernel.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,8 @@ class OneRowHead:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         head = self.head
-        if self.reason is None and _one_row(x) and not torch.is_grad_enabled():
+        serves = self.reason is None and torch.get_num_threads() == 1 and not torch.is_grad_enabled()
+        if serves and _one_row(x):
             try:
                 out = self.graph(x, head.weight, head.bias)
             except Exception as exc:  # noqa: BLE001 - a compilation failing: keep the library's product
@@ -97,39 +101,39 @@ def install_one_row_products(model: nn.Module) -> OneRowHead | None:
     return router
 
 
-def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
-                        is_causal: bool = False, *, attn_mask: torch.Tensor | None = None,
-                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | Any:
-    """``aten._scaled_dot_product_flash_attention_for_cpu`` for one query token: (output, logsumexp)
-    in float32 multiply-and-sums (grouped KV heads read in place). Anything else is left to the
-    kernel (``NotImplemented``)."""
-    if not statically_known_true(query.shape[2] == 1) or dropout_p != 0.0 or is_causal:
-        return NotImplemented
+def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """Attention of one query token, ``[B, heads, 1, D]``, in float32 multiply-and-sums: grouped KV
+    heads read in place, ``mask`` boolean (True attends) or additive, broadcast over batch/heads."""
     batch, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     q = query.float().reshape(batch, kv_heads, group, 1, dim) * scale
     scores = (q * key.float().unsqueeze(2)).sum(-1)  # [batch, kv_heads, group, keys]
-    if attn_mask is not None:  # additive, the query's dtype (the kernel's own contract)
-        mask = attn_mask.float().expand(batch, heads, 1, key.shape[2])
-        scores = scores + mask.reshape(batch, kv_heads, group, key.shape[2])
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    weights = torch.exp(scores - lse)
+    if mask is not None:
+        mask = mask.expand(batch, heads, 1, keys).reshape(batch, kv_heads, group, keys)
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
+    weights = torch.softmax(scores, dim=-1)
     out = (weights.unsqueeze(-1) * value.float().unsqueeze(2)).sum(-2)  # [batch, kv_heads, group, dim]
-    return out.reshape(batch, heads, 1, dim).to(query.dtype), lse.reshape(batch, heads, 1)
+    return out.reshape(batch, heads, 1, dim).to(query.dtype)
 
 
-def step_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-    """Inductor with one-query attention decomposed (the compiled step's backend).
+def one_query_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' ``"sdpa"`` attention (``sdpa_attention_forward``), except one query token traced
+    in a compiled step: :func:`one_query_attention` instead of the flash kernel."""
+    plain = not any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "s_aux"))
+    if (torch.compiler.is_compiling() and statically_known_true(query.shape[2] == 1) and dropout == 0.0
+            and plain and not kwargs.get("output_attentions", False)):
+        out = one_query_attention(query, key, value, attention_mask, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
 
-    AOTAutograd's disk cache is off for this graph: its key does not cover a backend's own
-    decompositions, so it would hand back a graph traced without them (measured: the flash kernel
-    again after an upgrade). Inductor's own cache, keyed by the decomposed graph, still serves.
-    """
-    from torch._inductor.compile_fx import compile_fx
 
-    table = {**select_decomp_table(),
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: one_query_attention}
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(graph, example_inputs, decompositions=table)
+def install_one_query_attention() -> None:
+    """Serve transformers' ``"sdpa"`` name with :func:`one_query_sdpa` (process-wide, idempotent:
+    continuous batching accepts only its own attention names, and eager calls are unchanged)."""
+    AttentionInterface.register("sdpa", one_query_sdpa)

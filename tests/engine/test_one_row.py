@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from test_cb_runner import make_runner, prompt_ids, run_all
 from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from moetray.engine.cb import Sampling, one_row
 from moetray.engine.cb.compiled_step import install_decode_step
 from moetray.engine.experts import load_offloaded_model
 from moetray.engine.experts.fused import FUSED_MAX_TOKENS
-
-FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def test_a_one_row_product_is_the_linear_product():
@@ -32,50 +32,55 @@ def test_a_one_row_product_is_the_linear_product():
     assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
 
 
-@pytest.mark.parametrize("mask", ["none", "additive"])
-def test_one_query_attention_is_the_flash_kernels_result(mask):
-    """Grouped KV heads (9 query heads on 3), with and without an additive padding mask: output and logsumexp
-    equal the kernel's in float32. Prevents: a head read from the wrong KV group or a mask ignored."""
+@pytest.mark.parametrize("mask", ["none", "additive", "bool"])
+def test_one_query_attention_is_sdpas_result(mask):
+    """Grouped KV heads (9 query heads on 3), with and without a padding mask in either form: equal to
+    torch's SDPA in float32. Prevents: a head read from the wrong KV group or a mask ignored."""
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 9, 1, 16), torch.randn(2, 3, 11, 16), torch.randn(2, 3, 11, 16)
     keep = torch.ones(2, 1, 1, 11, dtype=torch.bool)
     keep[0, ..., 7:] = False
-    attn_mask = {"none": None, "additive": torch.zeros(2, 1, 1, 11).masked_fill(~keep, -math.inf)}[mask]
-    want_out, want_lse = FLASH(q, k, v, attn_mask=attn_mask, scale=0.3)[:2]
-    got_out, got_lse = one_row.one_query_attention(q, k, v, attn_mask=attn_mask, scale=0.3)
-    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_lse, want_lse.reshape(got_lse.shape), rtol=1e-5, atol=1e-5)
+    attn_mask = {"none": None, "bool": keep,
+                 "additive": torch.zeros(2, 1, 1, 11).masked_fill(~keep, -math.inf)}[mask]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=0.3, enable_gqa=True)
+    got = one_row.one_query_attention(q, k, v, attn_mask, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_more_query_tokens_or_a_causal_mask_are_left_to_the_kernel():
-    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 5, 8)
-    assert one_row.one_query_attention(q, k, k) is NotImplemented
-    assert one_row.one_query_attention(q[:, :, :1], k, k, is_causal=True) is NotImplemented
+def test_eager_attention_is_transformers_own_sdpa():
+    """Untraced (prefill, a refused graph), the registered ``"sdpa"`` is transformers' function."""
+    one_row.install_one_query_attention()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is one_row.one_query_sdpa
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    q, k = torch.randn(1, 6, 1, 8), torch.randn(1, 2, 5, 8)
+    got, _ = one_row.one_query_sdpa(module, q, k, k, None, scaling=0.5)
+    want, _ = sdpa_attention_forward(module, q, k, k, None, scaling=0.5)
+    assert torch.equal(got, want)
 
 
 async def test_a_half_precision_decode_step_takes_the_one_row_paths(tiny, tiny_moe, monkeypatch):
-    """bfloat16 tiny MoE with the compiled step: the start-up compilation decomposes one-query
-    attention, the decoder's linears are routed, and every decode step's LM head takes the compiled
-    one-row product. Prevents: the backend, the linears' routing or the head's router never wired
-    (each is a counter or a check that stays put)."""
+    """bfloat16 tiny MoE with the compiled step: the start-up compilation traces one-query
+    attention as multiply-and-sums, the decoder's linears are routed, and every decode step's LM
+    head takes the compiled one-row product. Prevents: the attention, the linears' routing or the
+    head's router never wired (each is a counter or a check that stays put)."""
     _, tok = tiny
-    decomposed, decompose = [], one_row.one_query_attention
+    traced, attention = [], one_row.one_query_attention
 
     def counted(*args, **kwargs):
-        out = decompose(*args, **kwargs)
-        if out is not NotImplemented:
-            decomposed.append(args[0].shape)
-        return out
+        traced.append(args[0].shape)
+        return attention(*args, **kwargs)
 
     monkeypatch.setattr(one_row, "one_query_attention", counted)
     off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8)
+    off.runtime.warm_up()  # the experts' kernel serves, as where the engine installs the step
     step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
     linears = [m for m in off.model.model.modules() if type(m) is nn.Linear]
     assert linears and all(m.forward.__func__ is one_row._traced_linear for m in linears)
     assert step.head is not None and off.model.lm_head.forward is step.head
-    runner = make_runner(off.model, policy="off")
+    runner = make_runner(off.model, policy="off", single_thread_decode=True)  # as served (step_threads)
     try:
-        assert step.reason is None and decomposed  # compiled at start, attention decomposed
+        assert step.reason is None and traced  # compiled at start, one-query attention traced
         before = step.head.one_row_calls, step.compiled_steps
         finals = await run_all(runner, {"h": (prompt_ids(tok, "One row at a time"), 6,
                                               Sampling(temperature=0.0))})
