@@ -6,6 +6,8 @@ one step and adds up their wall time per category:
 - ``attention``: every decoder layer's attention module (projections, rotary, the paged
   KV write and read, the attention kernel);
 - ``experts``: the experts runtime's calls (routing read, planning, copies, expert GEMMs);
+  under a compiled decode step neither this nor ``attention`` is timed apart (null: both are
+  inside its graph, in ``forward_other``);
 - ``forward_other``: the rest of the model forward (embedding, norms, routers, shared
   experts, the LM head);
 - ``sampler``: the step's compute outside the model forward (logits processors, argmax or
@@ -72,7 +74,7 @@ class BreakdownTotals:
     prefill_steps: int = 0
     prefill_wall_s: float = 0.0
     window_s: float = 0.0
-    attention_timed: bool = True  # False under a compiled decode step: attention is inside its graph
+    layers_timed: bool = True  # False under a compiled decode step: attention, experts inside its graph
 
     def per_step_ms(self) -> dict[str, float | None]:
         """Milliseconds per decode step, by category, plus ``step`` (their sum and what no wrapper saw)."""
@@ -80,8 +82,8 @@ class BreakdownTotals:
         if not n:
             return {**dict.fromkeys(CATEGORIES), "step": None}
         out: dict[str, float | None] = {k: v / n * 1e3 for k, v in self.decode_parts_s.items()}
-        if not self.attention_timed:
-            out["attention"] = None  # counted in forward_other
+        if not self.layers_timed:
+            out["attention"] = out["experts"] = None  # counted in forward_other
         out["step"] = self.decode_wall_s / n * 1e3
         return out
 
@@ -105,7 +107,7 @@ class StepBreakdown:
         self._totals = BreakdownTotals()
         self._since = time.perf_counter()
         self._restore: list[tuple[Any, str, Any]] = []
-        self._attention_timed = True
+        self._layers_timed = True
 
     # --- installation --------------------------------------------------------------------
 
@@ -118,12 +120,12 @@ class StepBreakdown:
         """Wrap the step's calls (idempotent per instance: a second call does nothing)."""
         if self._restore:
             return self
-        # A compiled decode step traces its attention modules into one graph: a timer there would
-        # break the graph, so attention is not timed apart (it stays in forward_other).
-        self._attention_timed = decode_step_of(self.model) is None
+        # A compiled decode step traces its attention modules and the experts' arithmetic into one
+        # graph: a timer there would break it, so neither is timed apart (both stay in forward_other).
+        self._layers_timed = decode_step_of(self.model) is None
         for module in self.model.modules():
             attn = getattr(module, "self_attn", None)
-            if self._attention_timed and attn is not None and hasattr(attn, "forward"):
+            if self._layers_timed and attn is not None and hasattr(attn, "forward"):
                 self._wrap(attn, "forward", self._timed_part("attention"))
         self._wrap(self.runtime, "forward", self._timed_part("experts"))
         self._wrap(self.model, "forward", self._timed_forward)
@@ -230,4 +232,4 @@ class StepBreakdown:
                 decode_steps=t.decode_steps, decode_tokens=t.decode_tokens, decode_wall_s=t.decode_wall_s,
                 decode_parts_s=dict(t.decode_parts_s), prefill_steps=t.prefill_steps,
                 prefill_wall_s=t.prefill_wall_s, window_s=time.perf_counter() - self._since,
-                attention_timed=self._attention_timed)
+                layers_timed=self._layers_timed)

@@ -137,9 +137,11 @@ def test_bench_decode_runs_end_to_end_at_toy_size(tiny_qwen3, tmp_path, monkeypa
     assert receipt["results"]["dtypes"] == {"float32": "float32", "int8": "bfloat16", grouped: "bfloat16"}
     assert any(note.startswith("Compiled decode (the experts' kernel and the step's graph) ÷ --no-compile")
                and "int8 b1 " in note for note in receipt["notes"])
-    # The compiled step's attention is inside its graph: not timed apart (null), never a made-up 0.
+    # The compiled step's attention and experts are inside its graph: not timed apart (null), never
+    # a made-up 0.
     assert summary[("int8", 1)]["step_ms"]["attention"] is None
-    assert summary[(grouped, 1)]["step_ms"]["attention"] > 0
+    assert summary[("int8", 1)]["step_ms"]["experts"] is None
+    assert summary[(grouped, 1)]["step_ms"]["attention"] > 0 and summary[(grouped, 1)]["step_ms"]["experts"] > 0
     assert "float32_fraction_of_bound_ge_0.8" in receipt["results"]["goals"]
 
     quality = decode.precision_report(tiny_qwen3, ["float32", "int8", "int8:grouped"], tokens=24,
