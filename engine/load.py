@@ -20,8 +20,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from moetray.engine.cb import StateGeometry, choose_prefix_policy
-from moetray.engine.cb.compiled_step import decode_step_of, decode_step_refusal, install_decode_step
+from moetray.engine.cb import choose_prefix_policy
+from moetray.engine.cb.compiled_step import decode_step_of, install_decode_step_where_served
 from moetray.engine.cb.kv import return_freed_heap
 from moetray.engine.pools import Pools, RunnerSettings, price_pools
 from moetray.policy import wire
@@ -181,13 +181,9 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
 
     progress("compiling the decode kernel", 0, None)
     runtime.warm_up()  # before the runner's settings: its decode steps' threads follow the kernel
-    step_refused = decode_step_refusal(
-        wanted=opts.compile_decode,
-        kernel_serves=runtime.fused is not None,
-        hybrid=StateGeometry.from_config(loaded.model.config, dtype) is not None,
-    )
-    if step_refused is None:  # compiled by the first runner's start (pools.open)
-        install_decode_step(loaded.model, max_tokens=FUSED_MAX_TOKENS)
+    step_refused = install_decode_step_where_served(  # compiled by the first runner's start (pools.open)
+        loaded.model, wanted=opts.compile_decode, kernel_serves=runtime.fused is not None,
+        max_tokens=FUSED_MAX_TOKENS)
     eos_ids = loader.eos_token_ids(loaded.model, loaded.tokenizer)
     progress("probing the chat template", 0, 1)
     chat = ChatSupport.probe(

@@ -229,11 +229,15 @@ def bd_routed(target: ServedEngine) -> int:
 
 def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512, chat_tokens: int = 32,
                      q8_file: Path | None = None) -> dict[str, Any]:
-    """Each format against float32: teacher-forced logits on held-out text, greedy chat answers;
-    with ``q8_file`` (the model exported as Q8_0 GGUF) that file served under ``--dtype int8`` too."""
+    """Each format against float32: teacher-forced logits on held-out text (chunks of up to 8
+    tokens through the experts' decode kernel, eager), greedy chat answers through the engine's
+    batcher (decode steps as served: the compiled step where installed) against transformers'
+    float32 ``generate``; with ``q8_file`` (the model exported as Q8_0 GGUF) that file served under
+    ``--dtype int8`` too."""
     import torch
 
-    from moetray.engine.bench.demo_quality import CHAT_PROMPTS, heldout_ids
+    from moetray.engine.bench.demo_quality import CHAT_PROMPTS, batcher_greedy, heldout_ids
+    from moetray.engine.cb.compiled_step import install_decode_step_where_served
     from moetray.engine.experts import load_offloaded_model
     from moetray.engine.experts.fused import FUSED_MAX_TOKENS
     from moetray.engine.models.checkpoint import (
@@ -262,15 +266,20 @@ def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512, 
         apply_format(chosen, off.model, cpu)
         if top_k:
             apply_top_k(off.model, off.runtime, top_k)
-        off.runtime.warm_up()
-        return off.model
+        return as_served(off.model, off.runtime, compiled)
 
     def load_file(path: Path):
         info = inspect_checkpoint(path)
         loaded = load_checkpoint(info, device=cpu, fmt=serving_format("int8", info, cpu), capacity=every,
                                  top_k=top_k or info.top_k, progress=lambda *_: None, compile_decode=True)
-        loaded.runtime.warm_up()
-        return loaded.model
+        return as_served(loaded.model, loaded.runtime, True)
+
+    def as_served(model, runtime, compiled: bool):  # noqa: ANN001, ANN202 - a causal LM and its runtime
+        """The decode kernel and the compiled decode step, where the engine would serve them."""
+        runtime.warm_up()
+        install_decode_step_where_served(model, wanted=compiled, kernel_serves=runtime.fused is not None,
+                                         max_tokens=FUSED_MAX_TOKENS)
+        return model
 
     def logits(model) -> torch.Tensor:
         """Teacher-forced over the KV cache in decode-sized chunks (the decode kernel's batches)."""
@@ -283,15 +292,17 @@ def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512, 
                 out.append(step.logits[0].float())
         return torch.cat(out)
 
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             return_dict=True)["input_ids"] for text in CHAT_PROMPTS]
+
     def greedy(model) -> list[list[int]]:
+        """transformers' ``generate`` (the float32 reference)."""
         out = []
-        for text in CHAT_PROMPTS:
-            p = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              return_tensors="pt", return_dict=True)["input_ids"]
+        for p in prompts:
             with torch.no_grad():
-                g = model.generate(p, max_new_tokens=chat_tokens, do_sample=False, eos_token_id=-1,
-                                   pad_token_id=tokenizer.eos_token_id or 0)
-            out.append(g[0, p.shape[1]:].tolist())
+                g = model.generate(torch.tensor([p]), max_new_tokens=chat_tokens, do_sample=False,
+                                   eos_token_id=-1, pad_token_id=tokenizer.eos_token_id or 0)
+            out.append(g[0, len(p):].tolist())
         return out
 
     reference = load("float32")
@@ -306,7 +317,7 @@ def precision_report(model_dir: Path, formats: list[str], *, tokens: int = 512, 
         candidates[Q8_FILE] = functools.partial(load_file, q8_file)
     for fmt, make in candidates.items():
         model = make()
-        got, answers = logits(model), greedy(model)
+        got, answers = logits(model), batcher_greedy(model, prompts, chat_tokens)  # as served
         del model
         diff = (got - ref_logits).abs()
         agree = [sum(1 for _ in _common_prefix(a, b)) for a, b in zip(answers, ref_greedy, strict=True)]

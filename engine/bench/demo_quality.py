@@ -78,6 +78,43 @@ def chat_answers(model, tokenizer, max_new_tokens: int) -> list[str]:
     return answers
 
 
+def batcher_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy answers to ``prompts`` through the engine's own batcher, as a served request decodes:
+    the compiled decode step where the model has one installed (decode steps on one thread, as
+    ``policy.step_threads`` serves them), the paged KV cache. Runs every prompt to its length."""
+    import asyncio
+
+    from moetray.engine.cb import Sampling
+    from moetray.engine.cb.runner import BatchRunner, RunnerConfig
+
+    pages = sum(len(p) + max_new_tokens for p in prompts) // 16 + 2 * len(prompts)
+    runner = BatchRunner(model, RunnerConfig(kv_pages=pages, page_size=16, single_thread_decode=True))
+    runner.start()
+
+    async def answers() -> list[list[int]]:
+        finals: dict[int, list[int]] = {}
+        done = asyncio.Event()
+
+        def handler(i: int):
+            def on_output(out) -> None:  # noqa: ANN001 - the substrate's GenerationOutput
+                if out.is_finished():
+                    finals[i] = list(out.generated_tokens)
+                    if len(finals) == len(prompts):
+                        done.set()
+            return on_output
+
+        for i, ids in enumerate(prompts):
+            runner.submit(f"greedy-{i}", ids, max_new_tokens=max_new_tokens,
+                          sampling=Sampling(temperature=0.0), on_output=handler(i))
+        await asyncio.wait_for(done.wait(), timeout=600)  # a 2-core machine: 5 prompts in well under that
+        return [finals[i] for i in range(len(prompts))]
+
+    try:
+        return asyncio.run(answers())
+    finally:
+        runner.stop()
+
+
 def routing_trace(model, ids: list[int]) -> list[list[list[int]]]:
     """Teacher-forced routing: per token, per MoE layer, the sorted expert ids its router chose."""
     import torch

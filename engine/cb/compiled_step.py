@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from moetray.engine.cb.one_row import OneRowHead, install_one_query_attention, install_one_row_products
+from moetray.engine.cb.one_row import (
+    OneRowHead,
+    compilation_failure,
+    install_one_query_attention,
+    install_one_row_products,
+)
+from moetray.engine.cb.state import StateGeometry
 from moetray.policy.step_threads import step_threads
 
 log = logging.getLogger(__name__)
@@ -86,9 +92,11 @@ changed token count leave the two graphs serving use: one token, any KV length (
 and any token count (a batch, a short chunk)."""
 
 
-STEP_GRAPHS = 16
-"""Graphs the step may compile per model: the warm-up's (three, the first soon replaced) and any
-a different thread count or a new kind of step needs; at the limit a step fails and runs eagerly."""
+STEP_GRAPHS = 64
+"""Graphs the step may compile: the warm-up's (three, the first soon replaced) and any a different
+thread count or a new kind of step needs. Dynamo counts them per code object, so every decoder of
+one model class in a process shares the count (a server has one model; the test suite and the
+benches load many: 16 ran out there). At the limit a step fails and runs eagerly."""
 
 
 class CompiledDecodeStep:
@@ -139,7 +147,7 @@ class CompiledDecodeStep:
         return out
 
     def _refuse(self, exc: BaseException) -> None:
-        self.reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        self.reason = compilation_failure(exc)
         log.warning("the decode step runs eagerly: %s", self.reason, exc_info=exc)
 
     def install(self, cache) -> None:  # noqa: ANN001 - the substrate's PagedAttentionCache
@@ -201,3 +209,14 @@ def install_decode_step(model: torch.nn.Module, *, max_tokens: int) -> CompiledD
     head = install_one_row_products(model)
     install_one_query_attention()
     return CompiledDecodeStep(decoder, max_tokens=max_tokens, head=head)
+
+
+def install_decode_step_where_served(model: torch.nn.Module, *, wanted: bool, kernel_serves: bool,
+                                     max_tokens: int) -> str | None:
+    """Install the compiled decode step where :func:`decode_step_refusal` allows it (the engine's
+    load, and the benches that measure what it serves); returns the refusal (None: installed)."""
+    hybrid = StateGeometry.from_config(model.config, next(model.parameters()).dtype) is not None
+    refused = decode_step_refusal(wanted=wanted, kernel_serves=kernel_serves, hybrid=hybrid)
+    if refused is None:  # the graphs are built by the first runner's start
+        install_decode_step(model, max_tokens=max_tokens)
+    return refused

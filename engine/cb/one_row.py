@@ -42,6 +42,15 @@ log = logging.getLogger(__name__)
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
+HEAD_GRAPHS = 64
+"""Graphs the LM head's region may compile per process: one per head shape (a serving process has
+one; the test suite and the benches meet many). At the limit the head keeps ``F.linear``."""
+
+
+def compilation_failure(exc: BaseException) -> str:
+    """A compiled region's refusal reason: the exception's type and first line."""
+    return f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+
 
 def one_row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` as a broadcast multiply and a float32 sum over the inputs."""
@@ -66,7 +75,8 @@ class OneRowHead:
 
     def __init__(self, head: nn.Linear) -> None:
         self.head = head
-        self.graph = torch.compile(one_row_product, fullgraph=True, dynamic=False)
+        self.graph = torch.compile(  # type: ignore[call-overload]  # torch 2.13's stubs lack recompile_limit
+            one_row_product, fullgraph=True, dynamic=False, recompile_limit=HEAD_GRAPHS)
         self.reason: str | None = None  # why the head keeps F.linear; None while the region serves
         self.one_row_calls = 0
 
@@ -77,7 +87,7 @@ class OneRowHead:
             try:
                 out = self.graph(x, head.weight, head.bias)
             except Exception as exc:  # noqa: BLE001 - a compilation failing: keep the library's product
-                self.reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+                self.reason = compilation_failure(exc)
                 log.warning("the LM head's one-row products use F.linear: %s", self.reason, exc_info=exc)
             else:
                 self.one_row_calls += 1
