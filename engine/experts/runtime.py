@@ -242,12 +242,17 @@ class ExpertRuntime:
                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Compute one MoE layer call with the arithmetic of the stock implementation named by
         :attr:`compute`; see the module docstring for the steps."""
+        if self.kernel_serves(top_k_index):
+            return self._forward_fused(module, layer, hidden_states, top_k_index, top_k_weights)
         if self.compute == "grouped_mm":
-            if (self.fused is not None and top_k_index.shape[0] <= FUSED_MAX_TOKENS
-                    and not torch.is_grad_enabled()):
-                return self._forward_fused(module, layer, hidden_states, top_k_index, top_k_weights)
             return self._forward_grouped(module, layer, hidden_states, top_k_index, top_k_weights)
         return self._forward_eager(module, layer, hidden_states, top_k_index, top_k_weights)
+
+    def kernel_serves(self, top_k_index: torch.Tensor) -> bool:
+        """Whether the compiled decode kernel computes this call: built, in place of the grouped
+        path, a decode-size batch, no autograd (eagerly and traced in a compiled step alike)."""
+        return (self.fused is not None and self.compute == "grouped_mm"
+                and top_k_index.shape[0] <= FUSED_MAX_TOKENS and not torch.is_grad_enabled())
 
     def _forward_grouped(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,
                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -671,11 +676,10 @@ def moetray_experts_forward(self: ExpertsModule, hidden_states: torch.Tensor, to
                            "load the model with moetray.engine.experts.load_offloaded_model")
     layer = getattr(self, _LAYER_ATTR)
     if torch.compiler.is_compiling():  # a compiled decode step: plan opaquely, compute in the graph
-        kernel = runtime.fused
-        small = top_k_index.shape[0] <= FUSED_MAX_TOKENS
-        if kernel is not None and runtime.compute == "grouped_mm" and small:
+        if runtime.kernel_serves(top_k_index):
             slots = expert_slots_op(top_k_index, runtime.op_key, layer)
-            return kernel.traced(self, hidden_states, slots, top_k_weights)
+            assert runtime.fused is not None
+            return runtime.fused.traced(self, hidden_states, slots, top_k_weights)
         return experts_op(hidden_states, top_k_index, top_k_weights, runtime.op_key, layer)
     return runtime.forward(self, layer, hidden_states, top_k_index, top_k_weights)
 
