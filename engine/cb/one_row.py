@@ -10,6 +10,11 @@ per row (4 rows: half the speed of the matrix product), so only one-row products
 Rules:
 - Traced inside the compiled decode step, a decoder's plain ``nn.Linear`` with a bfloat16 or
   float16 weight and one input row is the multiply-and-sum; other shapes keep ``F.linear``.
+- So is a decoder's int8 linear (the int8 format's ``Int8Linear``) with one input row, over its
+  activations widened to float32 first (:func:`one_row_int8_product`): measured on this machine's
+  CPU, one thread, a step's 30 layers of int8 attention and shared-expert linears took 3.3 ms that
+  way against 4.3 ms as torch's weight-only int8 kernel (``_weight_int8pack_mm``, 240 calls from
+  the graph) and 10.9 ms reading bfloat16 activations in the loop. Other calls keep the kernel.
 - The LM head runs after the decoder, eagerly: its one-row products on the decode steps' one
   thread call a small compiled region of the same formula (the largest matrix of a small model:
   vocabulary × hidden). Under more threads (a prefill's last-token logits) it keeps ``F.linear``
@@ -38,6 +43,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from moetray.engine.experts.fused import float_buffer
+from moetray.engine.models.precision import Int8Linear
+
 log = logging.getLogger(__name__)
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -60,6 +68,17 @@ def one_row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out.to(x.dtype)
 
 
+def one_row_int8_product(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """:class:`~moetray.engine.models.precision.Int8Linear`'s product (``x @ (qweight · scale)ᵀ``) as
+    a multiply-and-sum over float32 activations in a buffer of their own (:func:`float_buffer`:
+    the int8 rows then load at float32's vector width)."""
+    out = (float_buffer(x).unsqueeze(-2) * qweight.float()).sum(-1) * scale.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
 def _one_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
 
@@ -68,6 +87,12 @@ def _traced_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling() and _one_row(x):
         return one_row_product(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
+
+
+def _traced_int8_linear(self: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling() and _one_row(x):
+        return one_row_int8_product(x, self.qweight, self.qscale, self.bias)
+    return Int8Linear.forward(self, x)
 
 
 class OneRowHead:
@@ -96,13 +121,16 @@ class OneRowHead:
 
 
 def install_one_row_products(model: nn.Module) -> OneRowHead | None:
-    """Route ``model``'s half-precision one-row products as the rules say: the decoder's plain
-    linears when traced, the LM head eagerly. Returns the head's router (None: not half precision)."""
+    """Route ``model``'s one-row products as the rules say: the decoder's half-precision and int8
+    linears when traced, a half-precision LM head eagerly. Returns the head's router (None: the
+    head is not a half-precision ``nn.Linear``)."""
     decoder = model.model
     assert isinstance(decoder, nn.Module), "a causal LM keeps its decoder as .model"
     for module in decoder.modules():
         if type(module) is nn.Linear and module.weight.dtype in HALF_DTYPES:
             module.forward = types.MethodType(_traced_linear, module)  # type: ignore[method-assign]
+        elif type(module) is Int8Linear:
+            module.forward = types.MethodType(_traced_int8_linear, module)  # type: ignore[method-assign]
     head = getattr(model, "lm_head", None)
     if type(head) is not nn.Linear or head.weight.dtype not in HALF_DTYPES:
         return None

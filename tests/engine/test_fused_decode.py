@@ -156,3 +156,25 @@ def test_traced_the_kernel_computes_in_the_callers_graph_after_the_opaque_plan(t
             assert _rel(got, want) < 1e-2, (tokens, _rel(got, want))  # bf16 rounding; a wrong slot: ~1
     assert rt.pool.bytes_copied > copied  # the traced calls' plans copied their misses in
     assert torch.ops.moetray.expert_slots.default in ops and torch.ops.moetray.experts.default not in ops
+
+
+def test_the_int8_kernel_loads_its_rows_at_float32_width(tiny_moe):
+    """int8 rows: the kernel widens the activations into a buffer of their own
+    (``fused.float_buffer``), so its compiled reductions load the rows 16 at a time (float32's
+    lanes), not 32 (bfloat16's: measured ~3x slower). Prevents: the widening removed or fused back."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from moetray.engine.experts import fused
+
+    rt = _runtime(tiny_moe("qwen3_moe", "per_expert"), capacity=8, expert_format="int8").runtime
+    module, layer, states, index, weights = _call(rt, 0, 1, seed=3)
+    slots = rt.fused_slots(layer, index)
+    kernel = torch.compile(fused._experts, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        got, code = run_and_get_code(rt.fused.traced, module, states, slots, weights, kernel=kernel)
+        want = rt.fused.traced(module, states, slots, weights)  # the eager formula, same rounding budget
+    lanes = {int(n) for n in re.findall(r"Vectorized<int8_t>::loadu\([^;]*?(\d+)\)\)", "\n".join(code))}
+    assert lanes == {16}, lanes
+    assert _rel(got, want) < 1e-2

@@ -5,12 +5,14 @@ its attention) on a real tiny MoE through the real batcher."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_cb_runner import make_runner, prompt_ids, run_all
 from torch import nn
+from torch._inductor.utils import run_and_get_code
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -18,6 +20,13 @@ from moetray.engine.cb import Sampling, one_row
 from moetray.engine.cb.compiled_step import install_decode_step
 from moetray.engine.experts import load_offloaded_model
 from moetray.engine.experts.fused import FUSED_MAX_TOKENS
+from moetray.engine.models.precision import Int8Linear, quantize_linears
+
+
+def _int8_loads(fn, *args) -> set[int]:
+    """The vector widths (lanes) at which ``fn``'s compiled C++ loads int8 rows."""
+    _, code = run_and_get_code(torch.compile(fn, fullgraph=True, dynamic=False), *args)
+    return {int(n) for n in re.findall(r"Vectorized<int8_t>::loadu\([^;]*?(\d+)\)\)", "\n".join(code))}
 
 
 def test_a_one_row_product_is_the_linear_product():
@@ -30,6 +39,31 @@ def test_a_one_row_product_is_the_linear_product():
     got, want = one_row.one_row_product(xb, wb, None), F.linear(xb, wb)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
+def test_an_int8_one_row_product_is_the_int8_kernels_product():
+    """``Int8Linear``'s product as a multiply-and-sum over widened activations: within one bf16
+    step of torch's weight-only int8 kernel. Prevents: the per-channel scale or the bias dropped."""
+    torch.manual_seed(2)
+    linear = Int8Linear(nn.Linear(96, 40))
+    x = torch.randn(1, 1, 96).bfloat16()
+    got, want = one_row.one_row_int8_product(x, linear.qweight, linear.qscale, linear.bias), linear(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
+def test_compiled_int8_products_load_their_rows_at_float32_width():
+    """The widened activations are a buffer of their own, so the compiled reduction loads int8 rows
+    16 at a time (float32's lanes: the fast path measured ~3x the 32-lane one that bfloat16
+    activations in the loop give). Prevents: the widening fused back into the reduction."""
+    linear = Int8Linear(nn.Linear(96, 64))
+    x = torch.randn(1, 96).bfloat16()
+    assert _int8_loads(one_row.one_row_int8_product, x, linear.qweight, linear.qscale, linear.bias) == {16}
+
+    def inline(x, q, scale, bias):  # the formula without the buffer: what the check must tell apart
+        return ((x.unsqueeze(-2).float() * q.float()).sum(-1) * scale.float() + bias.float()).to(x.dtype)
+
+    assert _int8_loads(inline, x, linear.qweight, linear.qscale, linear.bias) == {32}
 
 
 @pytest.mark.parametrize("mask", ["none", "additive", "bool"])
@@ -90,3 +124,34 @@ async def test_a_half_precision_decode_step_takes_the_one_row_paths(tiny, tiny_m
     decode_steps = step.compiled_steps - before[1]
     assert decode_steps >= 5, step.reason
     assert step.head.one_row_calls - before[0] >= decode_steps
+
+
+async def test_an_int8_decode_step_takes_the_int8_one_row_product(tiny, tiny_moe, monkeypatch):
+    """int8 tiny MoE (int8 experts and linears) with the compiled step: the decoder's int8 linears
+    are routed, the start-up compilation traced their one-row product, and requests decode through
+    the graph. Prevents: the int8 linears left on the kernel's extern calls (never routed)."""
+    _, tok = tiny
+    traced, product = [], one_row.one_row_int8_product
+
+    def counted(*args, **kwargs):
+        traced.append(args[1].shape)
+        return product(*args, **kwargs)
+
+    monkeypatch.setattr(one_row, "one_row_int8_product", counted)
+    off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8,
+                               expert_format="int8")
+    assert quantize_linears(off.model.model) > 0  # the decoder's linears, as the int8 format has them
+    off.runtime.warm_up()
+    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    linears = [m for m in off.model.model.modules() if type(m) is Int8Linear]
+    assert linears and all(m.forward.__func__ is one_row._traced_int8_linear for m in linears)
+    runner = make_runner(off.model, policy="off", single_thread_decode=True)
+    try:
+        assert step.reason is None and len(traced) >= len(linears)  # every layer's linears, traced at start
+        before = step.compiled_steps
+        finals = await run_all(runner, {"q": (prompt_ids(tok, "Eight bits at a time"), 6,
+                                              Sampling(temperature=0.0))})
+    finally:
+        runner.stop()
+    assert len(finals["q"].generated_tokens) == 6
+    assert step.compiled_steps - before >= 5, step.reason
