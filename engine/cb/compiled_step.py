@@ -104,7 +104,7 @@ class CompiledDecodeStep:
 
     def __init__(self, decoder: torch.nn.Module, *, max_tokens: int, head: OneRowHead | None = None) -> None:
         self.max_tokens = max_tokens
-        self.head = head  # the LM head's one-row products (engine/cb/one_row.py), half precision only
+        self.head = head  # the LM head's one-row products (engine/cb/one_row.py): half precision or int8
         self.eager = decoder.forward
         # Sizes turn symbolic as they vary; a few graphs per thread count (the limit is this region's).
         self.graph = torch.compile(  # type: ignore[call-overload]  # torch 2.13's stubs lack recompile_limit

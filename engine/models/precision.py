@@ -97,6 +97,9 @@ class Int8Linear(nn.Module):
     kept in); other dtypes are cast to it and back.
     """
 
+    qweight: torch.Tensor  # [out, in] int8 (a buffer)
+    qscale: torch.Tensor  # [out] bfloat16 (a buffer)
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()

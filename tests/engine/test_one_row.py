@@ -128,8 +128,9 @@ async def test_a_half_precision_decode_step_takes_the_one_row_paths(tiny, tiny_m
 
 async def test_an_int8_decode_step_takes_the_int8_one_row_product(tiny, tiny_moe, monkeypatch):
     """int8 tiny MoE (int8 experts and linears) with the compiled step: the decoder's int8 linears
-    are routed, the start-up compilation traced their one-row product, and requests decode through
-    the graph. Prevents: the int8 linears left on the kernel's extern calls (never routed)."""
+    are routed, the start-up compilation traced their one-row product, requests decode through the
+    graph and every decode step's int8 LM head takes the compiled region. Prevents: the int8
+    linears left on the kernel's extern calls, or the int8 head never routed."""
     _, tok = tiny
     traced, product = [], one_row.one_row_int8_product
 
@@ -140,18 +141,21 @@ async def test_an_int8_decode_step_takes_the_int8_one_row_product(tiny, tiny_moe
     monkeypatch.setattr(one_row, "one_row_int8_product", counted)
     off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8,
                                expert_format="int8")
-    assert quantize_linears(off.model.model) > 0  # the decoder's linears, as the int8 format has them
+    assert quantize_linears(off.model) > 0  # every linear, the LM head too, as the int8 format has them
     off.runtime.warm_up()
     step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
     linears = [m for m in off.model.model.modules() if type(m) is Int8Linear]
     assert linears and all(m.forward.__func__ is one_row._traced_int8_linear for m in linears)
+    assert step.head is not None and step.head.int8 and off.model.lm_head.forward is step.head
     runner = make_runner(off.model, policy="off", single_thread_decode=True)
     try:
         assert step.reason is None and len(traced) >= len(linears)  # every layer's linears, traced at start
-        before = step.compiled_steps
+        before = step.head.one_row_calls, step.compiled_steps
         finals = await run_all(runner, {"q": (prompt_ids(tok, "Eight bits at a time"), 6,
                                               Sampling(temperature=0.0))})
     finally:
         runner.stop()
     assert len(finals["q"].generated_tokens) == 6
-    assert step.compiled_steps - before >= 5, step.reason
+    decode_steps = step.compiled_steps - before[1]
+    assert decode_steps >= 5, step.reason
+    assert step.head.one_row_calls - before[0] >= decode_steps, step.head.reason
