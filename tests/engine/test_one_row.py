@@ -93,37 +93,51 @@ def test_eager_attention_is_transformers_own_sdpa():
     assert torch.equal(got, want)
 
 
+def _counting(monkeypatch, name: str) -> list[tuple]:
+    """Wrap ``one_row.<name>`` to record its calls' arguments (a traced call records at compile time)."""
+    calls, original = [], getattr(one_row, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(one_row, name, counted)
+    return calls
+
+
+async def _decode_through_the_step(off, tok, traced: list[tuple]):
+    """Install the compiled step on ``off``'s model, start the batcher (which compiles it) and
+    decode one greedy request of 6 tokens. Asserts the start-up compilation traced what ``traced``
+    records, every decode step took the graph and every decode step's LM head its compiled region."""
+    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    assert step.head is not None and off.model.lm_head.forward is step.head
+    runner = make_runner(off.model, policy="off", single_thread_decode=True)  # as served (step_threads)
+    try:
+        assert step.reason is None and traced  # compiled at start
+        before = step.head.one_row_calls, step.compiled_steps
+        request = (prompt_ids(tok, "One row at a time"), 6, Sampling(temperature=0.0))
+        finals = await run_all(runner, {"r": request})
+    finally:
+        runner.stop()
+    assert len(finals["r"].generated_tokens) == 6
+    decode_steps = step.compiled_steps - before[1]
+    assert decode_steps >= 5, step.reason
+    assert step.head.one_row_calls - before[0] >= decode_steps, step.head.reason
+    return step
+
+
 async def test_a_half_precision_decode_step_takes_the_one_row_paths(tiny, tiny_moe, monkeypatch):
     """bfloat16 tiny MoE with the compiled step: the start-up compilation traces one-query
     attention as multiply-and-sums, the decoder's linears are routed, and every decode step's LM
     head takes the compiled one-row product. Prevents: the attention, the linears' routing or the
     head's router never wired (each is a counter or a check that stays put)."""
-    _, tok = tiny
-    traced, attention = [], one_row.one_query_attention
-
-    def counted(*args, **kwargs):
-        traced.append(args[0].shape)
-        return attention(*args, **kwargs)
-
-    monkeypatch.setattr(one_row, "one_query_attention", counted)
+    traced = _counting(monkeypatch, "one_query_attention")
     off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8)
     off.runtime.warm_up()  # the experts' kernel serves, as where the engine installs the step
-    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    step = await _decode_through_the_step(off, tiny[1], traced)
     linears = [m for m in off.model.model.modules() if type(m) is nn.Linear]
     assert linears and all(m.forward.__func__ is one_row._traced_linear for m in linears)
-    assert step.head is not None and off.model.lm_head.forward is step.head
-    runner = make_runner(off.model, policy="off", single_thread_decode=True)  # as served (step_threads)
-    try:
-        assert step.reason is None and traced  # compiled at start, one-query attention traced
-        before = step.head.one_row_calls, step.compiled_steps
-        finals = await run_all(runner, {"h": (prompt_ids(tok, "One row at a time"), 6,
-                                              Sampling(temperature=0.0))})
-    finally:
-        runner.stop()
-    assert len(finals["h"].generated_tokens) == 6
-    decode_steps = step.compiled_steps - before[1]
-    assert decode_steps >= 5, step.reason
-    assert step.head.one_row_calls - before[0] >= decode_steps
+    assert not step.head.int8
 
 
 async def test_an_int8_decode_step_takes_the_int8_one_row_product(tiny, tiny_moe, monkeypatch):
@@ -131,31 +145,12 @@ async def test_an_int8_decode_step_takes_the_int8_one_row_product(tiny, tiny_moe
     are routed, the start-up compilation traced their one-row product, requests decode through the
     graph and every decode step's int8 LM head takes the compiled region. Prevents: the int8
     linears left on the kernel's extern calls, or the int8 head never routed."""
-    _, tok = tiny
-    traced, product = [], one_row.one_row_int8_product
-
-    def counted(*args, **kwargs):
-        traced.append(args[1].shape)
-        return product(*args, **kwargs)
-
-    monkeypatch.setattr(one_row, "one_row_int8_product", counted)
+    traced = _counting(monkeypatch, "one_row_int8_product")
     off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8,
                                expert_format="int8")
     assert quantize_linears(off.model) > 0  # every linear, the LM head too, as the int8 format has them
     off.runtime.warm_up()
-    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    step = await _decode_through_the_step(off, tiny[1], traced)
     linears = [m for m in off.model.model.modules() if type(m) is Int8Linear]
     assert linears and all(m.forward.__func__ is one_row._traced_int8_linear for m in linears)
-    assert step.head is not None and step.head.int8 and off.model.lm_head.forward is step.head
-    runner = make_runner(off.model, policy="off", single_thread_decode=True)
-    try:
-        assert step.reason is None and len(traced) >= len(linears)  # every layer's linears, traced at start
-        before = step.head.one_row_calls, step.compiled_steps
-        finals = await run_all(runner, {"q": (prompt_ids(tok, "Eight bits at a time"), 6,
-                                              Sampling(temperature=0.0))})
-    finally:
-        runner.stop()
-    assert len(finals["q"].generated_tokens) == 6
-    decode_steps = step.compiled_steps - before[1]
-    assert decode_steps >= 5, step.reason
-    assert step.head.one_row_calls - before[0] >= decode_steps, step.head.reason
+    assert step.head.int8 and len(traced) >= len(linears)  # every layer's linears were traced
