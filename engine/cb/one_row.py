@@ -102,12 +102,16 @@ class OneRowHead:
 
     def __init__(self, head: nn.Linear | Int8Linear) -> None:
         self.head = head
-        self.int8 = type(head) is Int8Linear
         self.graph = torch.compile(  # type: ignore[call-overload]  # torch 2.13's stubs lack recompile_limit
             one_row_int8_product if self.int8 else one_row_product,
             fullgraph=True, dynamic=False, recompile_limit=HEAD_GRAPHS)
         self.reason: str | None = None  # why the head keeps the library's product; None while serving
         self.one_row_calls = 0
+
+    @property
+    def int8(self) -> bool:
+        """Whether the head is an ``Int8Linear`` (its formula is :func:`one_row_int8_product`)."""
+        return isinstance(self.head, Int8Linear)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         head = self.head
