@@ -201,7 +201,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         eos_token_ids=eos_ids,
         anchor_token=chat.anchor_token,
         step_delay_s=opts.test_step_delay_s if opts.test_hooks else 0.0,
-        single_thread_decode=runtime.fused is not None,  # a lossy format on the compiled kernel
+        one_thread_small_steps=runtime.fused is not None,  # a lossy format on the compiled kernel
         thread_budget=torch.get_num_threads(),
     )
     # The model and the libraries are long-lived: freeze them out of the cyclic GC, or every

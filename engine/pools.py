@@ -59,7 +59,7 @@ class RunnerSettings:
     eos_token_ids: tuple[int, ...]
     anchor_token: int | None
     step_delay_s: float = 0.0
-    single_thread_decode: bool = False
+    one_thread_small_steps: bool = False
     thread_budget: int | None = None
 
     def config(self, kv_pages: int, state_slots: int = 0) -> RunnerConfig:
@@ -73,7 +73,7 @@ class RunnerSettings:
             eos_token_ids=self.eos_token_ids,
             anchor_token=self.anchor_token,
             step_delay_s=self.step_delay_s,
-            single_thread_decode=self.single_thread_decode,
+            one_thread_small_steps=self.one_thread_small_steps,
             thread_budget=self.thread_budget,
         )
 

@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
     ok = all(r["identical"] for r in results)
     params = {"model": str(checkpoint), "threads": args.threads, "batch": batches,
               "max_tokens": args.max_tokens, "rounds": args.rounds, "page_size": 16, "max_batch_tokens": 256,
-              "parallel_max_rows": grouped_module.PARALLEL_MAX_ROWS, "parallel_min_groups": share_min}
+              "one_thread_max_macs": grouped_module.ONE_THREAD_MAX_MACS, "parallel_min_groups": share_min}
     path = write_receipt(
         "batch", params=params, results={"rows": results, "token_identical": ok},
         columns=["row", "tok/s (wall)", "CPU ms / token", "× stock grouped_mm",

@@ -88,7 +88,7 @@ def batcher_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list
     from moetray.engine.cb.runner import BatchRunner, RunnerConfig
 
     pages = sum(len(p) + max_new_tokens for p in prompts) // 16 + 2 * len(prompts)
-    runner = BatchRunner(model, RunnerConfig(kv_pages=pages, page_size=16, single_thread_decode=True))
+    runner = BatchRunner(model, RunnerConfig(kv_pages=pages, page_size=16, one_thread_small_steps=True))
     runner.start()
 
     async def answers() -> list[list[int]]:

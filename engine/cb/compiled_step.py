@@ -156,7 +156,7 @@ class CompiledDecodeStep:
         cache.update = types.MethodType(_traceable_update, cache)
 
     def warm_up(self, model_runner, model, *, page_size: int, thread_budget: int,  # noqa: ANN001
-                single_thread_decode: bool) -> None:
+                one_thread_up_to: int) -> None:
         """Compile the graphs decode steps take (1 token, and a symbolic 2..max_tokens) on the
         substrate's warm-up batches, on the threads those steps will run on (dynamo guards on the
         thread count). Cheap once compiled: a new KV pool reuses the graphs."""
@@ -167,7 +167,7 @@ class CompiledDecodeStep:
         try:
             with torch.no_grad():
                 for tokens, cached in WARM_UP_STEPS:
-                    threads = step_threads(tokens, thread_budget, single_thread_decode=single_thread_decode)
+                    threads = step_threads(tokens, thread_budget, one_thread_up_to=one_thread_up_to)
                     if threads != torch.get_num_threads():
                         torch.set_num_threads(threads)
                     cached_tokens = max(1, page_size // cached)

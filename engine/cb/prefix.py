@@ -400,7 +400,7 @@ class SchedulerHooks:
         (set on the generation thread, only when the count changes); recorded as the runner's
         ``step_threads``."""
         threads = step_threads(query_tokens, self._budget,
-                               single_thread_decode=self._runner.config.single_thread_decode)
+                               one_thread_up_to=self._runner.one_thread_up_to)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         self._runner.step_threads = threads

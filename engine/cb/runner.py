@@ -41,6 +41,7 @@ from moetray.engine.cb.prefix import (
 from moetray.engine.cb.recurrent import install_linear_attention
 from moetray.engine.cb.sampling import Sampling, SamplingProcessors, TokenLogprob, sampling_kwargs
 from moetray.engine.cb.state import HybridLedger, StateGeometry
+from moetray.policy.step_threads import one_thread_tokens
 
 log = logging.getLogger("moetray.engine.cb")
 
@@ -92,7 +93,7 @@ class RunnerConfig:
     anchor_token: int | None = None  # the single-token tool-call opener (policy.anchor)
     anchor_max_held_tokens: int | None = None  # None: half the pool's tokens
     step_delay_s: float = 0.0  # test hook (see SchedulerHooks.before_step)
-    single_thread_decode: bool = False  # decode steps on one intra-op thread (policy.step_threads)
+    one_thread_small_steps: bool = False  # small steps on one intra-op thread (policy.step_threads)
     thread_budget: int | None = None  # the engine's intra-op threads (None: torch's count at start)
 
     def __post_init__(self) -> None:
@@ -170,6 +171,9 @@ class BatchRunner:
         self.steps = 0  # batch steps taken: the loop's heartbeat
         self.last_step_at: float | None = None  # time.monotonic() of the latest step
         self.step_threads: int | None = None  # intra-op threads of the latest step (policy.step_threads)
+        # Steps of at most this many query tokens run on one intra-op thread (policy.step_threads).
+        self.one_thread_up_to = (one_thread_tokens(model.config.get_text_config().hidden_size)
+                                 if config.one_thread_small_steps else 0)
 
     def beat(self) -> None:
         """The generation thread is about to run a step (called from the scheduler hooks)."""
@@ -226,7 +230,7 @@ class BatchRunner:
                     step.install(cache)
                     step.warm_up(processor.model_runner, self.model, page_size=cfg.page_size,
                                  thread_budget=cfg.thread_budget or torch.get_num_threads(),
-                                 single_thread_decode=cfg.single_thread_decode)
+                                 one_thread_up_to=self.one_thread_up_to)
                     cache.reset()  # the warm-up batches' pages go back to the pool
                 if choose_prefix_policy(cfg.prefix_policy, self.model.config) == "radix":
                     allocator = cache.cache_allocators["full_attention"]

@@ -3,8 +3,8 @@
 The runtime (:mod:`moetray.engine.experts.runtime`) sorts a call's token-expert pairs by
 expert as the stock ``grouped_mm`` path sorts them and hands each projection here as
 ``(first row, end row, weight, bias)`` groups: :func:`project` runs one ``mm`` per group into
-an output laid out as the stock kernel lays it out (:func:`grouped_output`), sharing a
-batched step's small groups out over the torch thread budget. Torch only; no planning.
+an output laid out as the stock kernel lays it out (:func:`grouped_output`), small groups on
+one intra-op thread each, shared out over the torch thread budget. Torch only; no planning.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from moetray.engine.experts.int8 import Int8Weight, int8_gemm
 from moetray.engine.experts.store import ExpertGeometry
+from moetray.policy.step_threads import ONE_THREAD_MAX_MACS
 
 Operands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 """``(first, first_bias, down, down_bias)`` of one expert (see :func:`operands`)."""
@@ -47,17 +48,12 @@ def operands(views: dict[str, torch.Tensor], geo: ExpertGeometry) -> Operands:
             down, views.get("down_proj_bias"))
 
 
-PARALLEL_MAX_ROWS = 4
-"""Groups of at most this many rows are matrix-vector-like, bound by reading the expert's
-weights. A batched step has many such groups (decode of several requests: one or two rows per
-routed expert), so the runtime shares them out over the torch thread budget itself, on helper
-threads pinned to one intra-op thread each: left at the budget, each helper's ``mm`` opens its
-own OpenMP team (MKL from 2 rows, oneDNN's bfloat16 from 1), so 2 helpers × 2 threads fight
-over 2 cores (measured on 2 busy cores, the demo's 30 layers of 12-of-16 experts: a step's
-expert GEMMs took 0.5-0.7× the time pinned at batch 4, fp32 and bfloat16, and bfloat16 at
-batch 1; fp32 at batch 1, whose ``mm`` MKL already runs on one thread, within noise)."""
+FLOAT32_ONE_THREAD_MAX_ROWS = 4
+"""float32 is the token-identity reference, and MKL's float32 product of more rows than this can
+round differently on one thread than on two (seen in the tests: groups of 5-8 rows), so in
+float32 only products of at most this many rows take the one-thread rule (identical either way)."""
 PARALLEL_MIN_GROUPS = 4
-"""Fewer small groups than this are run on the calling thread (a hand-off costs ~10-30 µs)."""
+"""Fewer one-thread groups than this run on the calling thread alone (a hand-off costs ~10-30 µs)."""
 
 _workers: ThreadPoolExecutor | None = None
 _workers_lock = threading.Lock()
@@ -81,30 +77,55 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
+def _one_thread_group(item: Group, dtype: torch.dtype) -> bool:
+    """Whether one group's product runs on one intra-op thread: at most
+    :data:`~moetray.policy.step_threads.ONE_THREAD_MAX_MACS` multiply-adds (rows × the weight's
+    elements; a prefill's expert groups on the demo are ~2.5 M, so a short prompt's prefill does
+    not pay an OpenMP wake-up per expert and projection), in float32 at most
+    :data:`FLOAT32_ONE_THREAD_MAX_ROWS` rows."""
+    lo, hi, w, _ = item
+    if dtype == torch.float32:
+        return hi - lo <= FLOAT32_ONE_THREAD_MAX_ROWS
+    return (hi - lo) * (w.qweight.numel() if type(w) is Int8Weight else w.numel()) <= ONE_THREAD_MAX_MACS
+
+
 def project(out: torch.Tensor, src: torch.Tensor, items: list[Group]) -> None:
     """One projection of the grouped path: ``out[lo:hi] = src[lo:hi] @ w (+ b)`` for every
     ``(lo, hi, w, b)`` in ``items`` (disjoint row ranges, so any order gives the same tensor).
 
-    Small groups (≤ :data:`PARALLEL_MAX_ROWS` rows) are shared out round-robin over as many
-    one-thread helpers as the torch thread budget when there are at least
-    :data:`PARALLEL_MIN_GROUPS` of them and gradients are off; the rest run here, at the full
-    budget, meanwhile. Mutates ``out`` only.
+    With more than one torch thread (on the CPU, gradients off), the small groups
+    (:func:`_one_thread_group`) run on one intra-op thread each: shared out round-robin between
+    this thread and one-thread helpers, up to the thread budget, when there are at least
+    :data:`PARALLEL_MIN_GROUPS` of them, else here; then the larger groups run here at the full
+    budget. In float32 the output is bit-identical to stock ``grouped_mm`` at the budget (checked
+    in the tests). Mutates ``out`` only.
     """
     threads = torch.get_num_threads()
-    small = ([item for item in items if item[1] - item[0] <= PARALLEL_MAX_ROWS]
-             if threads > 1 and len(items) >= PARALLEL_MIN_GROUPS and src.device.type == "cpu"
-             and not torch.is_grad_enabled() else [])
-    if len(small) < PARALLEL_MIN_GROUPS:
-        gemm = _gemm_into if not torch.is_grad_enabled() else _gemm_into_autograd
+    if torch.is_grad_enabled():
         for lo, hi, w, b in items:
-            gemm(out, lo, hi, src, w, b)
+            _gemm_into_autograd(out, lo, hi, src, w, b)
         return
-    workers = _gemm_workers()
-    parts = min(threads, len(small) // 2, workers._max_workers)  # noqa: SLF001 - our own pool
-    futures = [workers.submit(_gemm_many, out, src, small[i::parts]) for i in range(parts)]
+    if threads == 1 or src.device.type != "cpu":
+        _gemm_many(out, src, items)
+        return
+    small = [item for item in items if _one_thread_group(item, src.dtype)]
+    if small:
+        _one_thread_each(out, src, small, threads)
+    if len(small) < len(items):
+        _gemm_many(out, src, [item for item in items if not _one_thread_group(item, src.dtype)])
+
+
+def _one_thread_each(out: torch.Tensor, src: torch.Tensor, items: list[Group], threads: int) -> None:
+    """``items`` on one intra-op thread each: shared round-robin between this thread and up to
+    ``threads - 1`` helpers (when there are at least :data:`PARALLEL_MIN_GROUPS`); this thread's
+    budget is ``threads`` again on return."""
+    parts = min(threads, len(items) // 2) if len(items) >= PARALLEL_MIN_GROUPS else 1
+    futures = [_gemm_workers().submit(_gemm_many, out, src, items[i::parts]) for i in range(1, parts)]
+    torch.set_num_threads(1)
     try:
-        _gemm_many(out, src, [item for item in items if item[1] - item[0] > PARALLEL_MAX_ROWS])
+        _gemm_many(out, src, items[::parts])
     finally:
+        torch.set_num_threads(threads)
         for future in futures:
             future.result()
 

@@ -12,6 +12,7 @@ import torch
 
 from moetray.engine.cb.compiled_step import WARM_UP_STEPS, decode_step_of
 from moetray.engine.models import precision
+from moetray.policy.step_threads import DECODE_STEP_TOKENS, one_thread_tokens
 
 
 def _bf16_checkpoint(src, dest):
@@ -70,7 +71,12 @@ def test_float32_checkpoint_stays_float32_under_auto(live):
 
 
 def test_int8_serves_and_says_so(tiny_qwen3, start_engine):
-    engine = start_engine(tiny_qwen3, dtype="int8")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a budget the rule can shrink
+    try:
+        engine = start_engine(tiny_qwen3, dtype="int8")
+    finally:
+        torch.set_num_threads(before)
     model = engine.status()["model"]
     assert (model["dtype"], model["weights"]) == ("bfloat16", "int8")
     assert model["dtype_reason"] == "--dtype int8: weight-only int8 on bfloat16 activations"
@@ -84,6 +90,17 @@ def test_int8_serves_and_says_so(tiny_qwen3, start_engine):
     # ... as the compiled decode step's graph (its warm-up steps, then the request's 5 decode steps).
     assert model["decode_step"] == "compiled"
     assert decode_step_of(engine.engine.pools.model).compiled_steps >= len(WARM_UP_STEPS) + 5
+    # A short prompt's prefill (more tokens than a decode step, a small product on this narrow
+    # model) ran on one thread too, of the engine's budget of two.
+    runner = engine.engine.pools.runner
+    assert runner.config.thread_budget == 2
+    assert runner.one_thread_up_to == one_thread_tokens(engine.engine.pools.model.config.hidden_size)
+    with engine.client() as client:
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "tell me about the sea " * 4}], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert DECODE_STEP_TOKENS < r.json()["usage"]["prompt_tokens"] <= runner.one_thread_up_to
+    assert runner.step_threads == 1
 
 
 def test_step_breakdown_counts_a_served_request(tiny_qwen3, start_engine):

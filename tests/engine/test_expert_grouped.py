@@ -117,7 +117,50 @@ def test_a_batched_step_shares_its_small_groups_over_the_threads(tiny_moe, monke
     torch.set_num_threads(1)
     with torch.no_grad():
         assert torch.equal(mine(*args), stock(*args))
-    assert threads == []  # one thread: every group runs in place, no hand-off
+    assert set(threads) == {threading.current_thread().name}  # one thread: every group in place, no hand-off
+
+
+def test_a_prefill_calls_small_gemms_on_one_thread_each(tiny_moe, monkeypatch):
+    """With two torch threads, a bfloat16 prefill-size call (many rows per routed expert, each
+    product far below ``ONE_THREAD_MAX_MACS``) runs every GEMM on one intra-op thread, shared
+    between the caller and a helper, with the values of the same call at one thread; a product
+    above the limit keeps the caller's whole budget. Prevents: a prefill paying an OpenMP team's
+    wake-up per expert and projection (the time to first token at two threads was 1.6x that at one
+    on the demo), or a large GEMM losing its second core."""
+    om = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), capacity=16, dtype=torch.bfloat16)
+    runtime = om.runtime
+    generator = torch.Generator().manual_seed(0)
+    tokens = 24
+    index = torch.stack([torch.randperm(runtime.num_experts, generator=generator)[:runtime.top_k]
+                         for _ in range(tokens)])
+    args = (torch.randn(tokens, om.model.config.hidden_size, generator=generator).bfloat16(),
+            index, torch.rand(tokens, runtime.top_k, generator=generator).bfloat16())
+    mine = expert_modules(om.model)[0][1]
+    with torch.no_grad():
+        want = mine(*args)  # one thread (the autouse fixture): every GEMM in place
+    calls: list[tuple[str, int, int]] = []
+    real = grouped_module._gemm_into
+
+    def spy(out, lo, hi, src, w, b):
+        calls.append((threading.current_thread().name, torch.get_num_threads(), hi - lo))
+        return real(out, lo, hi, src, w, b)
+
+    monkeypatch.setattr(grouped_module, "_gemm_into", spy)
+    torch.set_num_threads(2)  # the autouse fixture restores the count
+    with torch.no_grad():
+        got = mine(*args)
+    assert torch.equal(got, want)
+    assert max(rows for _, _, rows in calls) > grouped_module.FLOAT32_ONE_THREAD_MAX_ROWS  # prefill-size
+    assert {threads for _, threads, _ in calls} == {1}
+    names = {name for name, _, _ in calls}
+    assert threading.current_thread().name in names and any(n.startswith("moetray-gemm") for n in names)
+    assert torch.get_num_threads() == 2
+
+    calls.clear()
+    monkeypatch.setattr(grouped_module, "ONE_THREAD_MAX_MACS", 0)  # every product counts as large
+    with torch.no_grad():
+        torch.testing.assert_close(mine(*args), want)
+    assert {(name, threads) for name, threads, _ in calls} == {(threading.current_thread().name, 2)}
 
 
 def test_one_gemm_per_routed_expert_and_projection(tiny_moe, monkeypatch):

@@ -111,7 +111,7 @@ async def _decode_through_the_step(off, tok, traced: list[tuple]):
     records, every decode step took the graph and every decode step's LM head its compiled region."""
     step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
     assert step.head is not None and off.model.lm_head.forward is step.head
-    runner = make_runner(off.model, policy="off", single_thread_decode=True)  # as served (step_threads)
+    runner = make_runner(off.model, policy="off", one_thread_small_steps=True)  # as served (step_threads)
     try:
         assert step.reason is None and traced  # compiled at start
         before = step.head.one_row_calls, step.compiled_steps
