@@ -108,19 +108,26 @@ def project(out: torch.Tensor, src: torch.Tensor, items: list[Group]) -> None:
     if threads == 1 or src.device.type != "cpu":
         _gemm_many(out, src, items)
         return
-    small = [item for item in items if _one_thread_group(item, src.dtype)]
+    small: list[Group] = []
+    large: list[Group] = []
+    for item in items:
+        (small if _one_thread_group(item, src.dtype) else large).append(item)
     if small:
         _one_thread_each(out, src, small, threads)
-    if len(small) < len(items):
-        _gemm_many(out, src, [item for item in items if not _one_thread_group(item, src.dtype)])
+    if large:
+        _gemm_many(out, src, large)
 
 
 def _one_thread_each(out: torch.Tensor, src: torch.Tensor, items: list[Group], threads: int) -> None:
     """``items`` on one intra-op thread each: shared round-robin between this thread and up to
     ``threads - 1`` helpers (when there are at least :data:`PARALLEL_MIN_GROUPS`); this thread's
     budget is ``threads`` again on return."""
-    parts = min(threads, len(items) // 2) if len(items) >= PARALLEL_MIN_GROUPS else 1
-    futures = [_gemm_workers().submit(_gemm_many, out, src, items[i::parts]) for i in range(1, parts)]
+    parts = 1
+    futures = []
+    if len(items) >= PARALLEL_MIN_GROUPS:
+        workers = _gemm_workers()
+        parts = min(threads, len(items) // 2, workers._max_workers + 1)  # noqa: SLF001 - our own pool
+        futures = [workers.submit(_gemm_many, out, src, items[i::parts]) for i in range(1, parts)]
     torch.set_num_threads(1)
     try:
         _gemm_many(out, src, items[::parts])
