@@ -27,6 +27,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from driver_files import publish
 from PySide6.QtCore import QPoint
 from PySide6.QtWidgets import QApplication
 
@@ -80,7 +81,7 @@ async def shoot(out: Path, name: str) -> None:
 
 async def first(app, out: Path, notes: list) -> None:
     await wait_until(lambda: app.model.engine.state == EngineState.SERVING, "the first launch to serve", 600)
-    (out / "serving.json").write_text(json.dumps(report(app, notes)))
+    publish(out / "serving.json", json.dumps(report(app, notes)))
     await wait_file(out / "traffic-done")
     app.open_dashboard()
     window = app.window
@@ -107,7 +108,7 @@ async def second(app, out: Path, notes: list) -> None:
     while not (out / "crashes-done").exists():
         pid = app.supervisor.pid
         if app.model.engine.state == EngineState.SERVING and pid is not None and pid not in seen:
-            (out / f"serving-{len(seen)}.json").write_text(json.dumps(report(app, notes)))
+            publish(out / f"serving-{len(seen)}.json", json.dumps(report(app, notes)))
             seen.append(pid)
         await asyncio.sleep(0.05)
     await wait_until(lambda: app.model.engine.state == EngineState.SERVING and app.model.pools.enabled,
@@ -126,14 +127,14 @@ async def second(app, out: Path, notes: list) -> None:
     ended: list[float] = []
     task.add_done_callback(lambda _: ended.append(time.time()))  # the Apply's own end, not ours
     await wait_until(lambda: pools.waiting_text() is not None, "the Pools panel to say what it waits for", 60)
-    (out / "waiting.json").write_text(json.dumps({"text": window.pools.outcome_text, "started": started}))
+    publish(out / "waiting.json", json.dumps({"text": window.pools.outcome_text, "started": started}))
     await asyncio.sleep(1.2)  # the seconds counter moves on screen
     (out / "ready-waiting").touch()
     await wait_file(out / "shot-waiting", 120)
     await task
     wall_ms = (ended[0] - started) * 1000.0
     outcome = pools.outcome
-    (out / "applied.json").write_text(json.dumps({
+    publish(out / "applied.json", json.dumps({
         "outcome": outcome.outcome, "text": outcome.text(), "waited_ms": outcome.waited_ms,
         "applied_ms": outcome.applied_ms, "elapsed_ms": outcome.elapsed_ms, "wall_ms": wall_ms,
         "started": started, "pid": app.supervisor.pid, "pools_text": window.pools.outcome_text}))
@@ -168,7 +169,7 @@ def main(argv: list[str]) -> int:
             try:
                 await (first(app, out_dir, notes) if mode == "first" else second(app, out_dir, notes))
             except Exception as exc:  # noqa: BLE001 - the test reads this file
-                (out_dir / "error.txt").write_text(repr(exc))
+                publish(out_dir / "error.txt", repr(exc))
             finally:
                 app.quit()
 

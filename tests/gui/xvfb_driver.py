@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from driver_files import publish
 from PySide6.QtCore import QEvent, QObject, QPoint
 from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
@@ -71,7 +72,7 @@ async def drive(app, out: Path, model: str, tabs: list[str]) -> None:
         app.start_serving(model)
         await wait_until(lambda: app.model.engine.state == EngineState.SERVING, "the engine to serve",
                          timeout_s=240)
-        (out / "serving.json").write_text(json.dumps({"api_url": app.model.engine.api_url,
+        publish(out / "serving.json", json.dumps({"api_url": app.model.engine.api_url,
                                                       "pid": app.supervisor.pid}))
         await wait_file(out / "traffic-done", timeout_s=240)
         # The test's three requests are in the tray's figures (so the menu shows a rate).
@@ -85,7 +86,7 @@ async def drive(app, out: Path, model: str, tabs: list[str]) -> None:
             report.update(visible=tray.icon.isVisible(), state=tray.state.value, variant=tray.variant,
                           geometry=[geometry.x(), geometry.y(), geometry.width(), geometry.height()],
                           menu=menu_texts(tray.menu), tooltip=tray.icon.toolTip())
-        (out / "report.json").write_text(json.dumps(report, indent=1))
+        publish(out / "report.json", json.dumps(report, indent=1))
         app.open_dashboard()
         window = app.window
         window.move(0, 30)
@@ -105,7 +106,7 @@ async def drive(app, out: Path, model: str, tabs: list[str]) -> None:
             await wait_file(out / "shot-menu")
             tray.menu.hide()
     except Exception as exc:  # noqa: BLE001 - the test reads this file
-        (out / "error.txt").write_text(repr(exc))
+        publish(out / "error.txt", repr(exc))
     finally:
         app.quit()
 
