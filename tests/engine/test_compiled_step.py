@@ -19,6 +19,7 @@ from moetray.engine.cb.compiled_step import (
     decode_step_of,
     decode_step_refusal,
     install_decode_step,
+    keeps_step_guard,
 )
 from moetray.engine.experts import load_offloaded_model
 from moetray.engine.experts.fused import FUSED_MAX_TOKENS
@@ -99,3 +100,50 @@ def test_compiled_only_where_the_experts_kernel_serves_on_a_traceable_model():
     assert decode_step_refusal(wanted=False, kernel_serves=True, hybrid=False) == "off (--no-compile)"
     assert "kernel" in decode_step_refusal(wanted=True, kernel_serves=False, hybrid=False)
     assert "hybrid" in decode_step_refusal(wanted=True, kernel_serves=True, hybrid=True)
+
+
+def test_a_step_checks_the_modules_constants_and_every_other_guard():
+    """One rule each: a guard on the decoder's modules is kept only for a constant the trace read;
+    guards on inputs and global state are all kept."""
+    assert keeps_step_guard("CONSTANT_MATCH", from_module=True)
+    assert keeps_step_guard("EQUALS_MATCH", from_module=True)
+    assert keeps_step_guard("ID_MATCH", from_module=True)
+    assert not keeps_step_guard("TENSOR_MATCH", from_module=True)
+    assert not keeps_step_guard("EMPTY_NN_MODULE_HOOKS_DICT", from_module=True)
+    assert not keeps_step_guard("TYPE_MATCH", from_module=True)
+    assert keeps_step_guard("TENSOR_MATCH", from_module=False)
+    assert keeps_step_guard("TYPE_MATCH", from_module=False)
+
+
+async def test_a_bfloat16_step_filters_its_guards_and_reads_a_resized_pool(tiny, tiny_moe):
+    """bfloat16, where the experts' kernel is traced into the step's graph and the pool's views are
+    its inputs: the step's graphs dropped most of their guards (the modules' structure), and after
+    a re-split of the expert pool to fewer slots the same graphs serve (nothing compiled) and give
+    the tokens they gave before it. Prevents: the guard filter unwired (every module guard checked
+    before each step), or the filtered graph reading the freed pool or a stale capacity."""
+    _, tok = tiny
+    off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=16,
+                                compile_decode=True)
+    off.runtime.warm_up()
+    assert off.runtime.fused is not None
+    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    prompts = {f"p{i}": (prompt_ids(tok, f"Count to {i + 3}, slowly"), 8, Sampling(temperature=0.0))
+               for i in range(2)}
+
+    async def serve() -> dict[str, list[int]]:
+        runner = make_runner(off.model, policy="off")
+        try:
+            finals = await run_all(runner, prompts)
+        finally:
+            runner.stop()
+        return {rid: out.generated_tokens for rid, out in finals.items()}
+
+    before = await serve()
+    assert step.reason is None and step.guards_dropped > step.guards_kept > 0
+    graphs, steps, kernel_calls = counters["stats"]["unique_graphs"], step.compiled_steps, off.runtime.fused.calls
+    off.runtime.resize(5)
+    assert await serve() == before
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert step.compiled_steps - steps >= 7 + len(WARM_UP_STEPS)
+    assert off.runtime.fused.calls > kernel_calls
+    off.runtime.check_integrity(deep=True)
