@@ -208,6 +208,8 @@ class CompiledDecodeStep:
             return
         started = time.perf_counter()
         before = self.compiled_steps
+        if self.head is not None:
+            self.head.warm_up(thread_budget)
         try:
             with torch.no_grad():
                 for tokens, cached in WARM_UP_STEPS:

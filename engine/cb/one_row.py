@@ -18,8 +18,10 @@ Rules:
 - The LM head runs after the decoder, eagerly: its one-row products on the decode steps' one
   thread call a small compiled region of the same formula (the largest matrix of a small model:
   vocabulary × hidden; an int8 head too: 1.1 ms against the int8 kernel's 1.7-2.1 ms on the demo's
-  head, one thread). Under more threads (a prefill's last-token logits) it keeps the library's
-  product rather than compile again mid-request; a failure logs why and keeps it too.
+  head, one thread). A large head's rows are computed in blocks shared with a helper thread over
+  the engine's thread budget (:meth:`OneRowHead.__call__`; the region's C++ entry releases the GIL,
+  so blocks run side by side). Under more threads (a prefill's last-token logits) it keeps the
+  library's product rather than compile again mid-request; a failure logs why and keeps it too.
 - Eager calls (prefill, a refused graph) and float32 weights (the token-identity reference) are
   untouched. The rounding is the lossy formats' own: float32 accumulation, one final rounding.
 
@@ -32,9 +34,11 @@ tokens, and every eager call, keep the kernel.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,7 +49,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from moetray.engine.experts.fused import float_buffer
-from moetray.engine.models.precision import Int8Linear
+from moetray.engine.helpers import share_out
+from moetray.engine.models.precision import Int8Linear, int8_product
 
 log = logging.getLogger(__name__)
 
@@ -96,17 +101,33 @@ def _traced_int8_linear(self: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     return Int8Linear.forward(self, x)
 
 
+SHARED_HEAD_MIN_WEIGHTS = 4 << 20
+"""LM heads of at least this many weights share a small step's rows out over the thread budget
+(the demo's: 49152 × 576 = 28 M): below it one thread streams the head in ~0.25 ms or less, and
+the hand-off and the parts' calls would eat what a second core saves."""
+
+HEAD_PARTS_PER_THREAD = 2
+"""Row blocks of a shared head per thread of the budget: a helper starting late leaves the caller
+at most one block to wait for. Measured on the demo's head at a budget of two, bfloat16, one row:
+1, 2, 4, 8 blocks a thread took 1.25, 1.25-1.28, 1.35-1.73, 1.8 ms (unshared 1.85); four rows
+1.85, 1.7-1.8, 2.0, 2.15 ms (unshared 3.5)."""
+
+
 class OneRowHead:
     """The LM head's forward: one-row products through a compiled multiply-and-sum (a half-precision
-    ``nn.Linear``'s or an ``Int8Linear``'s formula); counts them."""
+    ``nn.Linear``'s or an ``Int8Linear``'s formula), and a small step's head shared over the cores;
+    counts both."""
 
     def __init__(self, head: nn.Linear | Int8Linear) -> None:
         self.head = head
         self.graph = torch.compile(  # type: ignore[call-overload]  # torch 2.13's stubs lack recompile_limit
             one_row_int8_product if self.int8 else one_row_product,
-            fullgraph=True, dynamic=False, recompile_limit=HEAD_GRAPHS)
+            fullgraph=True, dynamic=False, recompile_limit=HEAD_GRAPHS,
+            options={"cpp_wrapper": True})  # its C++ entry releases the GIL: blocks run side by side
         self.reason: str | None = None  # why the head keeps the library's product; None while serving
         self.one_row_calls = 0
+        self.thread_budget = 1  # the engine's threads (the compiled step's warm-up sets it)
+        self.shared_calls = 0  # calls whose rows were shared out over the budget
 
     @property
     def int8(self) -> bool:
@@ -114,21 +135,69 @@ class OneRowHead:
         return isinstance(self.head, Int8Linear)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Rules: at one intra-op thread (a small step: decode, a short prefill), a head of at least
+        :data:`SHARED_HEAD_MIN_WEIGHTS` weights computes its output rows in blocks shared between
+        this thread and one-thread helpers up to :attr:`thread_budget` (the step leaves the other
+        cores idle: measured on the demo, the head was ~1.7 ms of a ~16 ms step at batch 1 and
+        ~3.7 of ~35 at batch 4, streaming 56 MB of bfloat16 on one core); one-row products take
+        the compiled multiply-and-sum, other shapes the library's product. More threads (a
+        prefill's last-token logits) keep the library's product at the step's threads."""
+        small_step = torch.get_num_threads() == 1 and not torch.is_grad_enabled()
+        weight = self.head.qweight if isinstance(self.head, Int8Linear) else self.head.weight
+        if small_step and self.thread_budget > 1 and weight.numel() >= SHARED_HEAD_MIN_WEIGHTS:
+            return self._shared(x, weight.shape[0])
+        return self._rows(x, 0, weight.shape[0], compiled=small_step)
+
+    def warm_up(self, thread_budget: int) -> None:
+        """Share small steps' heads over ``thread_budget`` threads from now on, and compile the row
+        blocks' one-row products here, one after another, so no request (and no helper) waits
+        for a compilation."""
+        self.thread_budget = thread_budget
         head = self.head
-        serves = self.reason is None and torch.get_num_threads() == 1 and not torch.is_grad_enabled()
-        if serves and _one_row(x):
+        weight = head.qweight if isinstance(head, Int8Linear) else head.weight
+        if thread_budget < 2 or weight.numel() < SHARED_HEAD_MIN_WEIGHTS:
+            return
+        dtype = head.qscale.dtype if isinstance(head, Int8Linear) else weight.dtype
+        x = torch.zeros(1, 1, weight.shape[1], dtype=dtype)
+        with torch.no_grad():
+            for lo, hi in self._blocks(weight.shape[0]):
+                self._rows(x, lo, hi, compiled=True)
+
+    def _blocks(self, rows: int) -> list[tuple[int, int]]:
+        parts = HEAD_PARTS_PER_THREAD * self.thread_budget
+        return list(itertools.pairwise(rows * i // parts for i in range(parts + 1)))
+
+    def _shared(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        out = x.new_empty((*x.shape[:-1], rows))
+
+        def block(lo: int, hi: int) -> Callable[[], None]:
+            def run() -> None:
+                out[..., lo:hi].copy_(self._rows(x, lo, hi, compiled=True))
+            return run
+
+        share_out([block(lo, hi) for lo, hi in self._blocks(rows)], self.thread_budget)
+        self.shared_calls += 1
+        return out
+
+    def _rows(self, x: torch.Tensor, lo: int, hi: int, *, compiled: bool) -> torch.Tensor:
+        """Output rows ``lo:hi`` of the head's product (all of them: ``0:out_features``)."""
+        head = self.head
+        bias = None if head.bias is None else head.bias[lo:hi]
+        if isinstance(head, Int8Linear):
+            args: tuple[Any, ...] = (x, head.qweight[lo:hi], head.qscale[lo:hi], bias)
+            library: Callable[..., torch.Tensor] = int8_product
+        else:
+            args, library = (x, head.weight[lo:hi], bias), F.linear
+        if compiled and self.reason is None and _one_row(x):
             try:
-                out = (self.graph(x, head.qweight, head.qscale, head.bias) if isinstance(head, Int8Linear)
-                       else self.graph(x, head.weight, head.bias))
+                out = self.graph(*args)
             except Exception as exc:  # noqa: BLE001 - a compilation failing: keep the library's product
                 self.reason = compilation_failure(exc)
                 log.warning("the LM head's one-row products use the library's: %s", self.reason, exc_info=exc)
             else:
                 self.one_row_calls += 1
                 return out
-        if isinstance(head, Int8Linear):
-            return Int8Linear.forward(head, x)  # the class's: the instance's is this router
-        return F.linear(x, head.weight, head.bias)
+        return library(*args)
 
 
 def install_one_row_products(model: nn.Module) -> OneRowHead | None:

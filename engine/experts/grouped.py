@@ -9,14 +9,11 @@ one intra-op thread each, shared out over the torch thread budget. Torch only; n
 
 from __future__ import annotations
 
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from moetray.engine.experts.int8 import Int8Weight, int8_gemm
 from moetray.engine.experts.store import ExpertGeometry
+from moetray.engine.helpers import helper_count, one_thread_helpers
 from moetray.policy.step_threads import ONE_THREAD_MAX_MACS
 
 Operands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
@@ -54,27 +51,6 @@ round differently on one thread than on two (seen in the tests: groups of 5-8 ro
 float32 only products of at most this many rows take the one-thread rule (identical either way)."""
 PARALLEL_MIN_GROUPS = 4
 """Fewer one-thread groups than this run on the calling thread alone (a hand-off costs ~10-30 µs)."""
-
-_workers: ThreadPoolExecutor | None = None
-_workers_lock = threading.Lock()
-
-
-def _gemm_workers() -> ThreadPoolExecutor:
-    """The process's helper threads for :func:`project`, each pinned to one intra-op thread
-    (made on first use, daemon-like: idle threads hold nothing and end with the interpreter)."""
-    global _workers
-    with _workers_lock:
-        if _workers is None:
-            _workers = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 2)),
-                                          thread_name_prefix="moetray-gemm", initializer=_one_thread)
-        return _workers
-
-
-def _one_thread() -> None:
-    """A helper's GEMMs run on the helper alone: OpenMP's and MKL's thread counts are per
-    calling thread, so the caller's budget stays as it was (torch also records 1 as the count
-    later-started ATen pool threads begin with; the engine starts none)."""
-    torch.set_num_threads(1)
 
 
 def _one_thread_group(item: Group, dtype: torch.dtype) -> bool:
@@ -125,9 +101,9 @@ def _one_thread_each(out: torch.Tensor, src: torch.Tensor, items: list[Group], t
     parts = 1
     futures = []
     if len(items) >= PARALLEL_MIN_GROUPS:
-        workers = _gemm_workers()
-        parts = min(threads, len(items) // 2, workers._max_workers + 1)  # noqa: SLF001 - our own pool
-        futures = [workers.submit(_gemm_many, out, src, items[i::parts]) for i in range(1, parts)]
+        parts = min(threads, len(items) // 2, helper_count() + 1)
+        helpers = one_thread_helpers()
+        futures = [helpers.submit(_gemm_many, out, src, items[i::parts]) for i in range(1, parts)]
     torch.set_num_threads(1)
     try:
         _gemm_many(out, src, items[::parts])

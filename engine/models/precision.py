@@ -89,6 +89,20 @@ def apply_format(fmt: ServingFormat, model: nn.Module, device: torch.device) -> 
 # --- int8 weights --------------------------------------------------------------------------------
 
 
+def int8_product(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """:class:`Int8Linear`'s product ``x @ (qweight · qscale)ᵀ (+ bias)`` by torch's weight-only int8
+    kernel, over bfloat16 activations (cast there and back); any slice of the output rows too."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    if flat.dtype != torch.bfloat16 or not flat.is_contiguous():
+        flat = flat.to(torch.bfloat16).contiguous()
+    out = torch.ops.aten._weight_int8pack_mm(flat, qweight, qscale)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], qweight.shape[0]).to(x.dtype)
+
+
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights and one scale per output channel (symmetric, round to
     nearest): ``y = x @ (qweight · qscale)ᵀ + bias``, computed by ``aten._weight_int8pack_mm``.
@@ -99,6 +113,7 @@ class Int8Linear(nn.Module):
 
     qweight: torch.Tensor  # [out, in] int8 (a buffer)
     qscale: torch.Tensor  # [out] bfloat16 (a buffer)
+    bias: nn.Parameter | None  # [out] bfloat16
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -113,14 +128,7 @@ class Int8Linear(nn.Module):
                                                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        if flat.dtype != torch.bfloat16 or not flat.is_contiguous():
-            flat = flat.to(torch.bfloat16).contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.qscale)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return int8_product(x, self.qweight, self.qscale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"

@@ -154,3 +154,62 @@ async def test_an_int8_decode_step_takes_the_int8_one_row_product(tiny, tiny_moe
     linears = [m for m in off.model.model.modules() if type(m) is Int8Linear]
     assert linears and all(m.forward.__func__ is one_row._traced_int8_linear for m in linears)
     assert step.head.int8 and len(traced) >= len(linears)  # every layer's linears were traced
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_small_steps_head_is_shared_out_in_row_blocks_with_the_same_values(monkeypatch, int8):
+    """At one intra-op thread with a budget of two, a large head computes its output rows in blocks
+    handed to :func:`share_out` over two threads; one row or several, the values equal the head
+    computed whole. Below the size limit, or at more threads (a prefill), it is not shared.
+    Prevents: a block written to the wrong columns, or the sharing never wired (a counter)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 1000, bias=True).to(torch.bfloat16)
+    head = one_row.OneRowHead(Int8Linear(linear) if int8 else linear)
+    shared: list[int] = []
+    real = one_row.share_out
+    monkeypatch.setattr(one_row, "share_out",
+                        lambda tasks, threads: (shared.append(threads), real(tasks, threads)))
+    monkeypatch.setattr(one_row, "SHARED_HEAD_MIN_WEIGHTS", 64 * 1000)
+    torch.set_num_threads(1)  # a small step's thread (the autouse fixture restores the count)
+    with torch.no_grad():
+        for x in (torch.randn(1, 1, 64).bfloat16(), torch.randn(1, 3, 64).bfloat16()):
+            whole = head(x)
+            head.warm_up(2)
+            assert torch.equal(head(x), whole)
+            head.thread_budget = 1
+        assert head.shared_calls == 2 and shared == [2, 2]
+        head.thread_budget = 2
+        monkeypatch.setattr(one_row, "SHARED_HEAD_MIN_WEIGHTS", 64 * 1000 + 1)
+        head(torch.randn(1, 1, 64).bfloat16())
+        monkeypatch.setattr(one_row, "SHARED_HEAD_MIN_WEIGHTS", 0)
+        torch.set_num_threads(2)
+        head(torch.randn(1, 1, 64).bfloat16())
+    assert head.shared_calls == 2
+
+
+async def test_a_served_small_steps_head_is_shared_and_compiled_at_start(tiny, tiny_moe, monkeypatch):
+    """bfloat16 tiny MoE with the compiled step and a budget of two threads (its head counted as
+    large): every decode step's head is shared out, its blocks' compiled products were built at
+    start (no graph compiled while serving) and the tokens equal those at a budget of one.
+    Prevents: the budget never handed to the head, or a helper compiling mid-request."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(one_row, "SHARED_HEAD_MIN_WEIGHTS", 0)
+    off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8)
+    off.runtime.warm_up()
+    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    request = {"r": (prompt_ids(tiny[1], "Share the head"), 6, Sampling(temperature=0.0))}
+    tokens = {}
+    for budget in (1, 2):
+        runner = make_runner(off.model, policy="off", one_thread_small_steps=True, thread_budget=budget)
+        try:
+            graphs, steps = counters["stats"]["unique_graphs"], step.compiled_steps
+            shared = step.head.shared_calls
+            tokens[budget] = (await run_all(runner, {**request}))["r"].generated_tokens
+        finally:
+            runner.stop()
+        if budget == 2:
+            assert step.compiled_steps - steps >= 5
+            assert step.head.shared_calls - shared >= step.compiled_steps - steps
+            assert counters["stats"]["unique_graphs"] == graphs
+    assert tokens[2] == tokens[1] and len(tokens[1]) == 6
