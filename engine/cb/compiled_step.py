@@ -115,7 +115,7 @@ def keeps_step_guard(guard_type: str, *, from_module: bool) -> bool:
     never restructured while serving (formats convert at load, hooks are not added, a re-split
     rebinds the expert pool's views at a symbolic capacity), those modules only need their
     constants checked; inputs, global state and shapes keep every guard. Measured, demo in
-    bfloat16, interleaved servers: ~1,250 guards left, decode at batch 1 ~+10 % tok/s, batch 4 ~+3 %.
+    bfloat16, interleaved servers: ~1,250 guards left, decode at batch 1 +5-10 % tok/s, batch 4 +2-3 %.
     A graph never serves another decoder: each step's code object is its own (:func:`_own_code`)."""
     return not from_module or guard_type in MODULE_GUARDS_KEPT
 
