@@ -22,14 +22,18 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# OpenMP workers that spin-wait between parallel regions steal the core the batch loop needs
-# on a desktop shared with other programs (and on a busy CI box: 20-50x slower steps). This
-# must be set before torch loads libgomp, so torch is imported lazily below. A user's own
+# OpenMP workers that spin-wait on and on between parallel regions steal the core the batch loop
+# needs on a desktop shared with other programs (and on a busy CI box: 20-50x slower steps), so
+# they sleep after a short spin (policy.step_threads.openmp_defaults: decode teams need the spin).
+# This must be set before torch loads libgomp, so torch is imported lazily below. A user's own
 # setting wins.
-USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
-"""The user's own OpenMP wait policy (None: moetray chose PASSIVE): a peer the benches start
-(llama.cpp) gets the user's, not moetray's (``engine.bench.targets.peer_env``)."""
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from moetray.policy.step_threads import openmp_defaults  # noqa: E402 - pure Python, no torch
+
+MOETRAY_OPENMP = {name: value for name, value in openmp_defaults(os.environ.get("OMP_WAIT_POLICY")).items()
+                  if name not in os.environ}
+"""The OpenMP settings moetray set (the user set none of them): a peer the benches start
+(llama.cpp) gets the user's environment without them (``engine.bench.targets.peer_env``)."""
+os.environ.update(MOETRAY_OPENMP)
 
 from moetray.engine.api.security import (  # noqa: E402
     BindRefused,

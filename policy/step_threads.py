@@ -1,16 +1,27 @@
-"""How many intra-op threads one batch step runs on: a small step on one, a large one on all.
+"""How many intra-op threads one batch step runs on: a small step on one, a large one on all, and
+decode steps on all while the cores are the engine's alone.
 
-Numbers in, decision out. The engine waits for OpenMP work passively (spinning workers starve the
-batch loop on a shared machine), so every parallel region of a step wakes the other threads, at
-~60-80 µs a product on this 2-core machine. A product earns that back only from ~40-60 M
-multiply-adds (:data:`ONE_THREAD_MAX_MACS`); below, one thread is faster. Measured on the demo in
-bfloat16, 2 cores, served: at batch 1 one thread decoded 1.5-1.7x the tokens per second of two
-(1.4x at batch 4) at 0.6x the CPU time per token, and a chat prompt's prefill (~45 tokens)
-answered its first token in ~100 ms on one thread against ~165-185 ms on two. A long prompt's
-GEMMs are large enough to pay for the wake-ups and keep the whole budget.
+Numbers in, decision out. An OpenMP team's parallel region wakes its workers; under a passive wait
+that is a futex wake of a sleeping core, ~60-80 µs a product on this 2-core machine, so a product
+earns a team back only from ~40-60 M multiply-adds (:data:`ONE_THREAD_MAX_MACS`); below, one
+thread is faster. Measured on the demo in bfloat16, 2 cores, served, passive waits: at batch 1 one
+thread decoded 1.5-1.7x the tokens per second of two (1.4x at batch 4) at 0.6x the CPU time per
+token, and a chat prompt's prefill (~45 tokens) answered its first token in ~100 ms on one thread
+against ~165-185 ms on two. A long prompt's GEMMs are large enough to pay for the wake-ups and
+keep the whole budget.
 
-Only lossy formats take the rule (the engine asks for it when the compiled decode kernel serves):
-float32 keeps its thread count, so its GEMMs split as they always have (the token-identity reference).
+Workers that spin briefly after a region (:data:`TEAM_SPIN_COUNT`) catch the next one awake, and
+a decode step's team then pays: measured on the demo in bfloat16, interleaved servers on a quiet
+machine, batch 1 +20 % tok/s (60.2 -> 72.6), batch 4 +19 % (103.7 -> 123.8 aggregate). Spinning
+cores are the other programs' loss, and theirs is the team's: with one busy program beside it a
+decode team running a ~1 ms spin fell to 7.1 tok/s against one thread's 54.6. So decode steps take
+the team only while the other programs leave the budget's cores free
+(:func:`team_serves_decode`), re-decided on measured load; prefills keep the rule above (a short
+one on one thread measured as fast as on a spinning team).
+
+Only lossy formats take these rules (the engine asks for them when the compiled decode kernel
+serves): float32 keeps its thread count, so its GEMMs split as they always have (the
+token-identity reference).
 """
 
 from __future__ import annotations
@@ -36,9 +47,68 @@ def one_thread_tokens(hidden_size: int) -> int:
     return max(DECODE_STEP_TOKENS, ONE_THREAD_MAX_MACS // hidden_size**2)
 
 
-def step_threads(query_tokens: int, budget: int, *, one_thread_up_to: int) -> int:
-    """Intra-op threads for a step of ``query_tokens`` tokens, of a ``budget`` of threads: one up
-    to ``one_thread_up_to`` tokens (:func:`one_thread_tokens`; 0 where the rule does not apply)."""
+def step_threads(query_tokens: int, budget: int, *, one_thread_up_to: int, team_decodes: bool = False) -> int:
+    """Intra-op threads for a step of ``query_tokens`` tokens, of a ``budget`` of threads: the
+    budget for a decode step while ``team_decodes`` (:func:`team_serves_decode`), else one up to
+    ``one_thread_up_to`` tokens (:func:`one_thread_tokens`; 0 where the rule does not apply)."""
     if budget < 1:
         raise ValueError(f"a thread budget is at least 1, got {budget}")
+    if team_decodes and query_tokens <= DECODE_STEP_TOKENS:
+        return budget
     return 1 if query_tokens <= one_thread_up_to else budget
+
+
+TEAM_SPIN_COUNT = 3000
+"""Spins (libgomp's ``GOMP_SPINCOUNT``) an OpenMP worker waits awake after a parallel region before
+it sleeps: ~150 µs on this machine, a decode step's gaps between regions, not the gaps between
+steps. Measured on the demo in bfloat16, quiet machine, decode team against one thread at batch 1:
+1,000 spins +10 %, 3,000 +20 %, 20,000 +19 %; a 2-thread product beside one busy program: 3,000
+spins ~1.3x the passive team's time, 20,000 ~2.3x (so fewer spins for the regions the rule leaves
+on the team whatever the load: float32 steps, long prefills)."""
+
+TEAM_LEAVE_OTHERS_CORES = 0.3
+"""Cores other programs keep busy (beyond those the budget leaves them) at which decode steps leave
+the team for one thread: a streaming client and a desktop's idle chatter use ~0.05-0.15 of a core,
+one busy program a whole one, and a team sharing a core with it loses several times over."""
+
+TEAM_RETURN_OTHERS_CORES = 0.15
+"""... and at or below which they return to it: the gap keeps a load near the limit from switching
+the threads back and forth every measurement."""
+
+
+def openmp_defaults(wait_policy: str | None) -> dict[str, str]:
+    """The OpenMP settings the engine starts with where the user set no ``OMP_WAIT_POLICY`` of
+    their own: workers spin :data:`TEAM_SPIN_COUNT` times after a region, then sleep (spinning on
+    and on starves the batch loop and other programs). libgomp takes an explicit
+    ``GOMP_SPINCOUNT`` over the policy's own count, so ``ACTIVE`` only sets the spin used while the
+    process has more OpenMP threads than cores (a second thread's team, e.g. the loader's): 1,000
+    spins, where ``PASSIVE`` gives none and a decode team measured half its speed (31-37 tok/s
+    against 52-60). A user's own policy is kept whole."""
+    if wait_policy is not None:
+        return {}
+    return {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(TEAM_SPIN_COUNT)}
+
+
+def openmp_workers_spin(wait_policy: str | None, spin_count: str | None) -> bool:
+    """Whether libgomp's workers stay awake a while between parallel regions, by its rules:
+    ``GOMP_SPINCOUNT`` over ``OMP_WAIT_POLICY`` (neither: ~300,000 spins; ``PASSIVE`` alone: none)."""
+    if spin_count is not None and spin_count.strip():
+        return spin_count.strip().lstrip("0") != ""
+    return (wait_policy or "").strip().upper() != "PASSIVE"
+
+
+def team_serves_decode(others_cores: float | None, *, cores: int, budget: int, spinning: bool,
+                       on_team: bool) -> bool:
+    """Whether decode steps run on the whole ``budget`` (a team) rather than one thread.
+
+    Only where OpenMP workers spin between regions (``spinning``: a passive team loses to one
+    thread, see above), the budget has two threads or more, and the load of other programs is
+    known (``others_cores``: busy cores over the latest interval, None before the first: one thread,
+    the choice that cannot collapse). The team keeps serving up to
+    :data:`TEAM_LEAVE_OTHERS_CORES` beyond the ``cores - budget`` the engine leaves free, and decode
+    steps on one thread (``on_team`` False) return to it at :data:`TEAM_RETURN_OTHERS_CORES`."""
+    if not spinning or budget < 2 or others_cores is None:
+        return False
+    spare = max(0, cores - budget)
+    limit = TEAM_LEAVE_OTHERS_CORES if on_team else TEAM_RETURN_OTHERS_CORES
+    return others_cores <= spare + limit

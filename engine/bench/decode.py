@@ -173,13 +173,15 @@ def measure_round(target: ServedEngine | dict[str, Any], label: str, *, batch: i
 @dataclass(frozen=True)
 class _EngineCounters:
     """A served engine's own counters at the start of a round: its step breakdown (reset then),
-    experts routed, and the generation and event-loop threads' CPU seconds."""
+    experts routed, the generation and event-loop threads' CPU seconds, and the decode steps
+    the engine ran on its whole thread budget and on one thread (``engine.cores.DecodeTeam``)."""
 
     served: ServedEngine
     breakdown: StepBreakdown
     routed: int
     gen_cpu_s: float | None
     loop_cpu_s: float | None
+    team_steps: tuple[int, int] | None
 
     @classmethod
     def start(cls, served: ServedEngine) -> _EngineCounters:
@@ -193,6 +195,7 @@ class _EngineCounters:
             served, bd, bd_routed(served),
             thread_cpu_seconds(bd.generation_thread) if bd.generation_thread else None,
             thread_cpu_seconds(served.loop_thread) if served.loop_thread else None,
+            _team_steps(served),
         )
 
     def since(self, wall: float) -> dict[str, Any]:
@@ -204,7 +207,12 @@ class _EngineCounters:
         gen1 = thread_cpu_seconds(bd.generation_thread) if bd.generation_thread else None
         loop1 = thread_cpu_seconds(self.served.loop_thread) if self.served.loop_thread else None
         steps = totals.decode_steps
+        team0, team1 = self.team_steps, _team_steps(self.served)
+        team_share = None
+        if team0 is not None and team1 is not None and sum(team1) > sum(team0):
+            team_share = (team1[0] - team0[0]) / (sum(team1) - sum(team0))
         return {
+            "team_decode_share": team_share,
             "generation_thread_busy": None if gen0 is None or gen1 is None else (gen1 - gen0) / wall,
             "loop_thread_busy": None if loop0 is None or loop1 is None else (loop1 - loop0) / wall,
             "decode_steps": steps, "prefill_steps": totals.prefill_steps,
@@ -216,6 +224,14 @@ class _EngineCounters:
             "routed_experts_per_decode_step": ((bd_routed(self.served) - self.routed) / steps
                                                if steps else None),
         }
+
+
+def _team_steps(target: ServedEngine) -> tuple[int, int] | None:
+    """(decode steps on the whole thread budget, on one thread) so far; None where the engine's
+    decode steps keep their thread count (no one-thread rule: float32, --no-compile)."""
+    pools = target.engine.pools
+    team = None if pools is None or pools.runner is None else pools.runner.decode_team
+    return None if team is None else (team.team_steps, team.one_thread_steps)
 
 
 def bd_routed(target: ServedEngine) -> int:
@@ -515,6 +531,7 @@ def summarize(rows: list[dict[str, Any]], *, targets: list[str], batches: list[i
                 entry.update({
                     "engine_decode_tok_s": engine_rate,
                     "generation_thread_busy": med("generation_thread_busy"),
+                    "team_decode_share": med("team_decode_share"),
                     "loop_thread_busy": med("loop_thread_busy"),
                     "routed_experts_per_decode_step": routed, "bytes_per_token": per_token,
                     "bound_tok_s": bound,
@@ -573,6 +590,11 @@ def render(summary: list[dict[str, Any]], *, peers: list[str], quality: dict[str
              "generated, a clock that other load on a shared machine disturbs less than wall time; threads "
              "busy: that CPU time over the round's wall time (2.0 = both cores).",
              "Formats served: " + ", ".join(f"{k} → {v}" for k, v in dtypes.items()) + "."]
+    teams = [f"{e['label']} b{e['batch']} {e['team_decode_share']:.0%}" for e in summary
+             if e.get("team_decode_share") is not None]
+    if teams:
+        notes.append("Decode steps on the whole thread budget (engine/cores.py: while other programs leave "
+                     "the cores free; else one thread): " + ", ".join(teams) + ".")
     noisy = [e for e in summary if (e.get("spread_request_tok_s") or 0) > 0.25]
     notes.append("Noise: (max−min)/median of per-request tok/s over rounds is "
                  + ", ".join(f"{e['label']} b{e['batch']} {e['spread_request_tok_s']:.0%}"

@@ -26,17 +26,13 @@ def _progress(msg: str) -> None:
 
 
 def peer_env(**extra: str) -> dict[str, str]:
-    """The environment a peer server (llama.cpp) starts with: the user's, without the passive
-    OpenMP waits moetray set for itself (llama.cpp's OpenMP build decoded 5x slower under them on
-    2 cores: 12.6 against 67 tok/s, which made every earlier comparison flatter moetray), plus
+    """The environment a peer server (llama.cpp) starts with: the user's, without the OpenMP waits
+    moetray set for itself (llama.cpp's OpenMP build decoded 5x slower under passive waits on 2
+    cores: 12.6 against 67 tok/s, which made every earlier comparison flatter moetray), plus
     ``extra``."""
     from moetray.engine import serve as engine_serve
 
-    env = dict(os.environ)
-    if engine_serve.USER_OMP_WAIT_POLICY is None:
-        env.pop("OMP_WAIT_POLICY", None)
-    else:
-        env["OMP_WAIT_POLICY"] = engine_serve.USER_OMP_WAIT_POLICY
+    env = {name: value for name, value in os.environ.items() if name not in engine_serve.MOETRAY_OPENMP}
     env.update(extra)
     return env
 

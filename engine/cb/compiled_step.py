@@ -200,30 +200,34 @@ class CompiledDecodeStep:
         cache.update = types.MethodType(_traceable_update, cache)
 
     def warm_up(self, model_runner, model, *, page_size: int, thread_budget: int,  # noqa: ANN001
-                one_thread_up_to: int) -> None:
+                one_thread_up_to: int, team: bool = False) -> None:
         """Compile the graphs decode steps take (1 token, and a symbolic 2..max_tokens) on the
-        substrate's warm-up batches, on the threads those steps will run on (dynamo guards on the
-        thread count). Cheap once compiled: a new KV pool reuses the graphs."""
+        substrate's warm-up batches, on each thread count those steps may run on (dynamo guards on
+        the thread count): :func:`step_threads`'s, and the whole budget too where a ``team`` may
+        take them (``engine.cores.DecodeTeam``). Cheap once compiled: a new KV pool reuses the graphs."""
         if self.reason is not None:
             return
         started = time.perf_counter()
         before = self.compiled_steps
         if self.head is not None:
             self.head.warm_up(thread_budget)
+        counts = sorted({step_threads(tokens, thread_budget, one_thread_up_to=one_thread_up_to,
+                                      team_decodes=on_team)
+                         for tokens, _ in WARM_UP_STEPS for on_team in {False, team}})
         try:
             with torch.no_grad():
-                for tokens, cached in WARM_UP_STEPS:
-                    threads = step_threads(tokens, thread_budget, one_thread_up_to=one_thread_up_to)
+                for threads in counts:
                     if threads != torch.get_num_threads():
                         torch.set_num_threads(threads)
-                    cached_tokens = max(1, page_size // cached)
-                    model_runner.run_one_warmup(model, num_q_tokens=tokens, max_kv_read=cached_tokens)
+                    for tokens, cached in WARM_UP_STEPS:
+                        cached_tokens = max(1, page_size // cached)
+                        model_runner.run_one_warmup(model, num_q_tokens=tokens, max_kv_read=cached_tokens)
         finally:
             torch.set_num_threads(thread_budget)
-        if self.reason is None and self.compiled_steps != before + len(WARM_UP_STEPS):
+        if self.reason is None and self.compiled_steps != before + len(WARM_UP_STEPS) * len(counts):
             self.reason = "the warm-up steps did not take the graph"
-        log.info("decode step warm-up: %.1f s, %s", time.perf_counter() - started,
-                 "compiled" if self.reason is None else self.reason)
+        log.info("decode step warm-up on %s thread(s): %.1f s, %s", "/".join(map(str, counts)),
+                 time.perf_counter() - started, "compiled" if self.reason is None else self.reason)
 
 
 def decode_step_of(model: torch.nn.Module) -> CompiledDecodeStep | None:

@@ -41,6 +41,7 @@ from moetray.engine.cb.prefix import (
 from moetray.engine.cb.recurrent import install_linear_attention
 from moetray.engine.cb.sampling import Sampling, SamplingProcessors, TokenLogprob, sampling_kwargs
 from moetray.engine.cb.state import HybridLedger, StateGeometry
+from moetray.engine.cores import DecodeTeam
 from moetray.policy.step_threads import one_thread_tokens
 
 log = logging.getLogger("moetray.engine.cb")
@@ -174,6 +175,9 @@ class BatchRunner:
         # Steps of at most this many query tokens run on one intra-op thread (policy.step_threads).
         self.one_thread_up_to = (one_thread_tokens(model.config.get_text_config().hidden_size)
                                  if config.one_thread_small_steps else 0)
+        # Decode steps on the whole budget while the cores are the engine's alone (policy.step_threads).
+        self.decode_team = (DecodeTeam(config.thread_budget or torch.get_num_threads())
+                            if config.one_thread_small_steps else None)
 
     def beat(self) -> None:
         """The generation thread is about to run a step (called from the scheduler hooks)."""
@@ -230,7 +234,8 @@ class BatchRunner:
                     step.install(cache)
                     step.warm_up(processor.model_runner, self.model, page_size=cfg.page_size,
                                  thread_budget=cfg.thread_budget or torch.get_num_threads(),
-                                 one_thread_up_to=self.one_thread_up_to)
+                                 one_thread_up_to=self.one_thread_up_to,
+                                 team=self.decode_team is not None and self.decode_team.possible)
                     cache.reset()  # the warm-up batches' pages go back to the pool
                 if choose_prefix_policy(cfg.prefix_policy, self.model.config) == "radix":
                     allocator = cache.cache_allocators["full_attention"]

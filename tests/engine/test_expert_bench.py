@@ -79,15 +79,20 @@ def test_bench_decode_states_the_rss_goal_bench_peer_measured(tmp_path, monkeypa
 
 
 def test_a_peer_starts_with_the_users_openmp_wait_policy_not_moetrays(monkeypatch):
-    """llama.cpp started by a bench gets the user's environment: moetray's own PASSIVE OpenMP waits
-    (which slowed llama.cpp's OpenMP build 5x) are dropped, a policy the user set is kept.
+    """llama.cpp started by a bench gets the user's environment: the OpenMP settings moetray set
+    for itself (passive waits, which slowed llama.cpp's OpenMP build 5x, and a short spin) are
+    dropped, settings the user made are kept.
     Prevents: a comparison that handicaps the peer."""
     from moetray.engine import serve as engine_serve
     from moetray.engine.bench.targets import peer_env
+    from moetray.policy.step_threads import openmp_defaults
 
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setattr(engine_serve, "USER_OMP_WAIT_POLICY", None)
+    moetrays = openmp_defaults(None)
+    for name, value in moetrays.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(engine_serve, "MOETRAY_OPENMP", moetrays)
     env = peer_env(OMP_NUM_THREADS="2")
-    assert "OMP_WAIT_POLICY" not in env and env["OMP_NUM_THREADS"] == "2"
-    monkeypatch.setattr(engine_serve, "USER_OMP_WAIT_POLICY", "ACTIVE")
+    assert not set(moetrays) & set(env) and env["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own: moetray set nothing
+    monkeypatch.setattr(engine_serve, "MOETRAY_OPENMP", {})
     assert peer_env()["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -1,0 +1,106 @@
+"""What the machine's cores are doing: the load other programs put on them, and whether decode steps
+get the engine's whole thread budget (a team) on it.
+
+The rule is :func:`moetray.policy.step_threads.team_serves_decode`; this room measures its input
+(the kernel's CPU counters, through psutil) and keeps its state (the choice in force) for the
+generation thread, which asks before every decode step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import psutil
+
+from moetray.policy.step_threads import openmp_workers_spin, team_serves_decode
+
+log = logging.getLogger(__name__)
+
+LOAD_INTERVAL_S = 0.5
+"""Seconds between two readings of the CPU counters: the kernel counts in 10 ms ticks, so half a
+second resolves 0.02 of a core, and a program starting beside the engine costs its decode steps at
+most this long on a team."""
+
+
+class OthersLoad:
+    """Cores that other programs kept busy over the latest interval: the machine's busy time (steal
+    included: a hypervisor's other guests take the cores too) less this process's own CPU time
+    (its children, an inductor compile worker, count as others: they compete for the same cores)."""
+
+    def __init__(self, interval_s: float = LOAD_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._process = psutil.Process()
+        self._last: tuple[float, float, float] | None = None  # (monotonic s, machine busy s, own s)
+        self._cores: float | None = None
+        self.readings = 0
+
+    def cores(self) -> float | None:
+        """Others' busy cores over the latest interval; None until one interval has passed. Reads
+        the counters at most every ``interval_s``."""
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < self.interval_s:
+            return self._cores
+        times = psutil.cpu_times()
+        # Linux counts guest time inside user and nice already; idle and iowait are not busy.
+        not_busy = ("idle", "iowait", "guest", "guest_nice")
+        busy = sum(times) - sum(getattr(times, name, 0.0) for name in not_busy)
+        own_times = self._process.cpu_times()
+        own = own_times.user + own_times.system
+        if self._last is not None:
+            then, busy_then, own_then = self._last
+            self._cores = max(0.0, ((busy - busy_then) - (own - own_then)) / (now - then))
+            self.readings += 1
+        self._last = (now, busy, own)
+        return self._cores
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the platform has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+class DecodeTeam:
+    """Whether decode steps run on the whole thread budget now, re-decided on the measured load
+    before each decode step (the reading itself refreshes at most every :data:`LOAD_INTERVAL_S`);
+    counts the decode steps each way.
+
+    ``spinning`` defaults to what libgomp read from this process's environment at start (the
+    engine's ``serve`` sets it before torch loads); ``load`` to :class:`OthersLoad`."""
+
+    def __init__(self, budget: int, *, spinning: bool | None = None,
+                 load: Callable[[], float | None] | None = None, cores: int | None = None) -> None:
+        self.budget = budget
+        if spinning is None:
+            env = os.environ
+            spinning = openmp_workers_spin(env.get("OMP_WAIT_POLICY"), env.get("GOMP_SPINCOUNT"))
+        self.spinning = spinning
+        self.cores = usable_cores() if cores is None else cores
+        self.load = OthersLoad().cores if load is None else load
+        self.on_team = False
+        self.team_steps = 0
+        self.one_thread_steps = 0
+
+    @property
+    def possible(self) -> bool:
+        """Whether any load lets decode steps on the team (their graphs are compiled at start)."""
+        return team_serves_decode(0.0, cores=self.cores, budget=self.budget, spinning=self.spinning,
+                                  on_team=False)
+
+    def decides(self) -> bool:
+        """The choice for the decode step about to run (and counts it)."""
+        others = self.load()
+        on_team = team_serves_decode(others, cores=self.cores, budget=self.budget, spinning=self.spinning,
+                                     on_team=self.on_team)
+        if on_team != self.on_team:
+            log.info("decode steps on %d thread(s): other programs keep %.2f cores busy",
+                     self.budget if on_team else 1, others or 0.0)
+            self.on_team = on_team
+        if self.on_team:
+            self.team_steps += 1
+        else:
+            self.one_thread_steps += 1
+        return self.on_team

@@ -1,0 +1,86 @@
+"""engine/cores.py: the other programs' load is measured from the kernel's counters, the engine
+starts with a short OpenMP spin, and a served bfloat16 decode step runs on the whole budget while
+the load leaves the cores free, on one thread when it does not, on graphs compiled at start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+from test_cb_runner import EOS, PAGE, prompt_ids, run_all
+
+from moetray.engine.cb import Sampling
+from moetray.engine.cb.compiled_step import install_decode_step
+from moetray.engine.cb.runner import BatchRunner, RunnerConfig
+from moetray.engine.cores import DecodeTeam, OthersLoad
+from moetray.engine.experts import load_offloaded_model
+from moetray.engine.experts.fused import FUSED_MAX_TOKENS
+from moetray.policy.step_threads import TEAM_SPIN_COUNT
+
+BUSY = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
+
+
+def test_a_busy_program_beside_the_engine_reads_as_others_load(processes):
+    """A child spinning on a core reads as at least half a core of others' load over an interval
+    (more where the machine is busier). Prevents: the engine's own CPU time, or nothing, read as
+    the others'."""
+    load = OthersLoad(interval_s=0.5)
+    assert load.cores() is None  # no interval has passed yet
+    processes.spawn([sys.executable, "-c", BUSY])
+    time.sleep(0.3)  # the child is running
+    load.cores()
+    deadline = time.monotonic() + 30
+    while load.readings < 2 and time.monotonic() < deadline:  # a whole interval with the child busy
+        time.sleep(0.1)
+        load.cores()
+    assert load.readings >= 2, "no interval of CPU counters was read within 30 s"
+    assert load.cores() >= 0.5
+
+
+def test_the_engine_starts_with_a_short_spin_unless_the_user_set_a_wait_policy():
+    """``moetray serve`` sets TEAM_SPIN_COUNT spins (under the ACTIVE policy, for the throttled
+    count) before torch loads; a wait policy of the user's own is kept whole. Prevents: decode
+    teams that sleep between regions (a slower team than one thread), or a user's setting
+    overridden."""
+    code = ("import os, moetray.engine.serve\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    ours = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    users = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                           capture_output=True, text=True, timeout=120)
+    assert ours.stdout.split() == ["ACTIVE", str(TEAM_SPIN_COUNT)], ours.stderr
+    assert users.stdout.split() == ["ACTIVE", "None"], users.stderr
+
+
+async def test_served_decode_steps_take_the_team_while_the_cores_are_free(tiny, tiny_moe):
+    """bfloat16 tiny MoE, compiled step, a budget of two threads, spinning workers: with no other
+    load every decode step runs on both threads, with a busy core beside it on one, both on graphs
+    compiled at start (none while serving), and the tokens agree. Prevents: the load never asked,
+    or a team graph compiled mid-request."""
+    from torch._dynamo.utils import counters
+
+    off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8)
+    off.runtime.warm_up()
+    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    others = {"cores": 0.0}
+    config = RunnerConfig(kv_pages=64, page_size=PAGE, prefix_policy="off", eos_token_ids=(EOS,),
+                          one_thread_small_steps=True, thread_budget=2)
+    runner = BatchRunner(off.model, config)
+    team = runner.decode_team = DecodeTeam(2, spinning=True, load=lambda: others["cores"], cores=2)
+    runner.start()
+    try:
+        graphs = counters["stats"]["unique_graphs"]
+        request = {"r": (prompt_ids(tiny[1], "Decode on the team"), 6, Sampling(temperature=0.0))}
+        on_team = (await run_all(runner, {**request}))["r"].generated_tokens
+        assert team.team_steps >= 5 and team.one_thread_steps == 0 and runner.step_threads == 2
+        others["cores"] = 1.0  # another program keeps a core busy
+        one_thread = (await run_all(runner, {**request}))["r"].generated_tokens
+        assert team.one_thread_steps >= 5 and runner.step_threads == 1
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert step.compiled_steps >= team.team_steps + team.one_thread_steps
+    finally:
+        runner.stop()
+    assert on_team == one_thread and len(on_team) == 6
