@@ -16,8 +16,13 @@ machine, batch 1 +20 % tok/s (60.2 -> 72.6), batch 4 +19 % (103.7 -> 123.8 aggre
 cores are the other programs' loss, and theirs is the team's: with one busy program beside it a
 decode team running a ~1 ms spin fell to 7.1 tok/s against one thread's 54.6. So decode steps take
 the team only while the other programs leave the budget's cores free
-(:func:`team_serves_decode`), re-decided on measured load; prefills keep the rule above (a short
-one on one thread measured as fast as on a spinning team).
+(:func:`team_serves_decode`), re-decided on measured load; prefills keep the rule above (a chat
+prompt's first token came no sooner on a spinning team: 120-134 ms against 114 on one thread).
+Measured with the rule, interleaved against the one-thread build: quiet, bfloat16 batch 1 +9-16 %,
+batch 4 +7-11 %, int8 batch 4 +13 % (int8 batch 1 gained nothing: 75.5 tok/s either way in one run,
+69.9 against 75.5 in another); beside one busy program every decode step stayed on one thread and
+the engine decoded as the one-thread build did (53 against 52 tok/s at batch 1, 84 against 84
+aggregate at batch 4).
 
 Only lossy formats take these rules (the engine asks for them when the compiled decode kernel
 serves): float32 keeps its thread count, so its GEMMs split as they always have (the
@@ -62,9 +67,9 @@ TEAM_SPIN_COUNT = 3000
 """Spins (libgomp's ``GOMP_SPINCOUNT``) an OpenMP worker waits awake after a parallel region before
 it sleeps: ~150 µs on this machine, a decode step's gaps between regions, not the gaps between
 steps. Measured on the demo in bfloat16, quiet machine, decode team against one thread at batch 1:
-1,000 spins +10 %, 3,000 +20 %, 20,000 +19 %; a 2-thread product beside one busy program: 3,000
-spins ~1.3x the passive team's time, 20,000 ~2.3x (so fewer spins for the regions the rule leaves
-on the team whatever the load: float32 steps, long prefills)."""
+1,000 spins +10 %, 3,000 +20 %, 20,000 +19 %; a 2-thread product beside one busy program: 2,000
+spins ~1.3x the passive team's time, 5,000 ~2x, 20,000 ~2.3x (so few spins: the regions the rule
+leaves on the team whatever the load, float32 steps and long prefills, pay for them under load)."""
 
 TEAM_LEAVE_OTHERS_CORES = 0.3
 """Cores other programs keep busy (beyond those the budget leaves them) at which decode steps leave

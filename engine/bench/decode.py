@@ -195,7 +195,7 @@ class _EngineCounters:
             served, bd, bd_routed(served),
             thread_cpu_seconds(bd.generation_thread) if bd.generation_thread else None,
             thread_cpu_seconds(served.loop_thread) if served.loop_thread else None,
-            _team_steps(served),
+            served.team_steps(),
         )
 
     def since(self, wall: float) -> dict[str, Any]:
@@ -207,12 +207,10 @@ class _EngineCounters:
         gen1 = thread_cpu_seconds(bd.generation_thread) if bd.generation_thread else None
         loop1 = thread_cpu_seconds(self.served.loop_thread) if self.served.loop_thread else None
         steps = totals.decode_steps
-        team0, team1 = self.team_steps, _team_steps(self.served)
-        team_share = None
-        if team0 is not None and team1 is not None and sum(team1) > sum(team0):
-            team_share = (team1[0] - team0[0]) / (sum(team1) - sum(team0))
+        team0, team1 = self.team_steps, self.served.team_steps()
+        ran = None if team0 is None or team1 is None else (team1[0] - team0[0], sum(team1) - sum(team0))
         return {
-            "team_decode_share": team_share,
+            "team_decode_share": ran[0] / ran[1] if ran and ran[1] else None,
             "generation_thread_busy": None if gen0 is None or gen1 is None else (gen1 - gen0) / wall,
             "loop_thread_busy": None if loop0 is None or loop1 is None else (loop1 - loop0) / wall,
             "decode_steps": steps, "prefill_steps": totals.prefill_steps,
@@ -224,14 +222,6 @@ class _EngineCounters:
             "routed_experts_per_decode_step": ((bd_routed(self.served) - self.routed) / steps
                                                if steps else None),
         }
-
-
-def _team_steps(target: ServedEngine) -> tuple[int, int] | None:
-    """(decode steps on the whole thread budget, on one thread) so far; None where the engine's
-    decode steps keep their thread count (no one-thread rule: float32, --no-compile)."""
-    pools = target.engine.pools
-    team = None if pools is None or pools.runner is None else pools.runner.decode_team
-    return None if team is None else (team.team_steps, team.one_thread_steps)
 
 
 def bd_routed(target: ServedEngine) -> int:

@@ -112,6 +112,13 @@ class ServedEngine:
             raise RuntimeError(f"{self.format} engine has not loaded its model")
         return info
 
+    def team_steps(self) -> tuple[int, int] | None:
+        """(decode steps on the whole thread budget, on one thread) so far; None where decode steps
+        keep their thread count (no one-thread rule: float32, --no-compile)."""
+        pools = self.engine.pools
+        team = None if pools is None or pools.runner is None else pools.runner.decode_team
+        return None if team is None else (team.team_steps, team.one_thread_steps)
+
     def install_breakdown(self):
         from moetray.engine.bench.breakdown import StepBreakdown
 

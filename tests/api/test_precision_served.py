@@ -161,6 +161,11 @@ def test_bench_decode_runs_end_to_end_at_toy_size(tiny_qwen3, tmp_path, monkeypa
     assert summary[(grouped, 1)]["step_ms"]["attention"] > 0
     assert summary[(grouped, 1)]["step_ms"]["experts"] > 0
     assert "float32_fraction_of_bound_ge_0.8" in receipt["results"]["goals"]
+    # Each int8 decode step asked engine/cores.py for its threads (a budget of one: never a team);
+    # float32 and --no-compile keep their thread count (null, never a made-up 0).
+    assert summary[("int8", 1)]["team_decode_share"] == 0.0
+    assert summary[("float32", 1)]["team_decode_share"] is None
+    assert summary[(grouped, 1)]["team_decode_share"] is None
 
     quality = decode.precision_report(tiny_qwen3, ["float32", "int8", "int8:grouped"], tokens=24,
                                       chat_tokens=4)
