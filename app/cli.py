@@ -35,9 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ENGINE_SUBCOMMANDS:
         try:
             module = importlib.import_module(ENGINE_SUBCOMMANDS[argv[0]])
-        except KeyboardInterrupt:  # a Stop while the engine's modules still import: end quietly
-            from moetray.policy.wire import PARENT_PID_ENV, interrupted_by
+        except BaseException as exc:  # a Stop while the engine's modules still import: end quietly
+            from moetray.policy.wire import PARENT_PID_ENV, interrupted_by, is_a_stop
 
+            if not is_a_stop(exc):
+                raise
             print(f"moetray {argv[0]}: stopped by {interrupted_by(os.environ.get(PARENT_PID_ENV))} "
                   "before it started", file=sys.stderr)
             return 0

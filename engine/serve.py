@@ -51,6 +51,7 @@ from moetray.policy.wire import (  # noqa: E402
     DEFAULT_MAX_BODY_BYTES,
     PARENT_PID_ENV,
     interrupted_by,
+    is_a_stop,
 )
 
 if TYPE_CHECKING:
@@ -289,7 +290,9 @@ def main(argv: list[str]) -> int:
     watch_parent(tray)
     try:
         return _serve(args, stopper)
-    except KeyboardInterrupt:  # a Stop before the server took over the signals (still importing)
+    except BaseException as exc:  # a Stop before the server took over the signals (still importing)
+        if not is_a_stop(exc):
+            raise
         log.info("stopped by %s before serving", stopper)
         return 0
 

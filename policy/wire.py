@@ -27,6 +27,21 @@ PARENT_PID_ENV = "MOETRAY_PARENT_PID"
 def interrupted_by(parent_pid: str | None) -> str:
     """Who a SIGINT to the engine comes from: its tray's Stop (``PARENT_PID_ENV`` set) or Ctrl-C."""
     return f"the tray (pid {parent_pid})" if parent_pid else "Ctrl-C"
+
+
+def is_a_stop(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Stop (``KeyboardInterrupt``) or was raised because of one: Python 3.11
+    wraps an exception raised in a descriptor's ``__set_name__`` (a class body, often while a
+    module imports) in a ``RuntimeError``, so a Stop landing there reaches the engine's entry
+    point as that error, its cause the interrupt."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 EVENTS_INTERVAL_S = 1.0
 """Cadence of `GET /admin/events`: one snapshot per interval."""
 SNAPSHOT_EVENT = "status"

@@ -149,3 +149,56 @@ def test_a_stop_caught_in_a_string_exec_still_exits_with_the_engines_code(tmp_pa
     assert cleared.returncode == 0
     kept = subprocess.run([sys.executable, "-m", "stopped_in_exec"], env=env, timeout=120)
     assert kept.returncode == -signal.SIGINT  # the quirk itself, so the test above can fail
+
+
+def test_a_stop_wrapped_while_a_module_imports_ends_the_engine_quietly(monkeypatch):
+    """A Stop that lands in a class body's ``__set_name__`` reaches ``serve.main`` as a
+    RuntimeError caused by the interrupt (a fresh-clone CI run: a transformers module importing
+    at the moment of the Stop): it ends the engine with 0 like any Stop before serving; a real
+    error still propagates. Prevents: a Stop reported as a crash."""
+    from moetray.engine import serve
+
+    def importing(args, stopper):
+        class Descriptor:
+            def __set_name__(self, owner, name):
+                raise KeyboardInterrupt
+
+        class Owner:  # noqa: F841 - defining it is the point
+            attr = Descriptor()
+
+    def failing(args, stopper):
+        raise RuntimeError("a real failure")
+
+    monkeypatch.delenv(wire.PARENT_PID_ENV, raising=False)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        monkeypatch.setattr(serve, "_serve", importing)
+        assert serve.main([]) == 0
+        monkeypatch.setattr(serve, "_serve", failing)
+        try:
+            serve.main([])
+        except RuntimeError as exc:
+            assert str(exc) == "a real failure"
+        else:
+            raise AssertionError("a real failure was swallowed as a Stop")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_stop_wrapped_while_the_engine_module_imports_ends_the_cli_quietly(monkeypatch, capsys):
+    """The same Stop one step earlier, while ``moetray serve``'s own module imports: the CLI ends
+    with 0 and says who stopped it. Prevents: a Stop reported as a crash."""
+    from moetray.app import cli
+
+    def importing(name):
+        class Descriptor:
+            def __set_name__(self, owner, attr):
+                raise KeyboardInterrupt
+
+        class Owner:  # noqa: F841 - defining it is the point
+            attr = Descriptor()
+
+    monkeypatch.delenv(wire.PARENT_PID_ENV, raising=False)
+    monkeypatch.setattr(cli.importlib, "import_module", importing)
+    assert cli.main(["serve"]) == 0
+    assert "stopped by Ctrl-C before it started" in capsys.readouterr().err

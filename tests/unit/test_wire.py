@@ -52,3 +52,23 @@ def test_error_type_follows_the_status_and_code_names_the_kind(kind, openai_type
     ``type`` is OpenAI's class, never moetray's kind (which travels as ``kind``)."""
     error = error_body(kind, "m", param="x")["error"]
     assert (error["type"], error["code"], error["kind"], error["param"]) == (openai_type, code, kind, "x")
+
+
+def _interrupted_class_body() -> None:
+    """A Stop landing in a class body's ``__set_name__``, as Python raises it."""
+
+    class Descriptor:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt
+
+    class Owner:  # noqa: F841 - defining it is the point
+        attr = Descriptor()
+
+
+def test_a_stop_is_known_through_the_error_a_class_body_wraps_it_in():
+    from moetray.policy.wire import is_a_stop
+
+    with pytest.raises(BaseException) as caught:
+        _interrupted_class_body()
+    assert is_a_stop(caught.value) and is_a_stop(KeyboardInterrupt())
+    assert not is_a_stop(RuntimeError("a real failure")) and not is_a_stop(SystemExit(2))
