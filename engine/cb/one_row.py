@@ -15,13 +15,14 @@ Rules:
   CPU, one thread, a step's 30 layers of int8 attention and shared-expert linears took 3.3 ms that
   way against 4.3 ms as torch's weight-only int8 kernel (``_weight_int8pack_mm``, 240 calls from
   the graph) and 10.9 ms reading bfloat16 activations in the loop. Other calls keep the kernel.
-- The LM head runs after the decoder, eagerly: its one-row products on the decode steps' one
-  thread call a small compiled region of the same formula (the largest matrix of a small model:
-  vocabulary × hidden; an int8 head too: 1.1 ms against the int8 kernel's 1.7-2.1 ms on the demo's
-  head, one thread). A large head's rows are computed in blocks shared with a helper thread over
-  the engine's thread budget (:meth:`OneRowHead.__call__`; the region's C++ entry releases the GIL,
-  so blocks run side by side). Under more threads (a prefill's last-token logits) it keeps the
-  library's product rather than compile again mid-request; a failure logs why and keeps it too.
+- The LM head runs after the decoder, eagerly: its one-row products call a small compiled region
+  of the same formula (the largest matrix of a small model: vocabulary × hidden; an int8 head too:
+  1.1 ms against the int8 kernel's 1.7-2.1 ms on the demo's head, one thread), at one thread or
+  at the engine's whole budget (a decode team, a prefill's last-token logits), both compiled at
+  start. At one thread a large head's rows are computed in blocks shared with a helper thread over
+  the budget (:meth:`OneRowHead.__call__`; the region's C++ entry releases the GIL, so blocks run
+  side by side). Other thread counts keep the library's product rather than compile again
+  mid-request; a failure logs why and keeps it too.
 - Eager calls (prefill, a refused graph) and float32 weights (the token-identity reference) are
   untouched. The rounding is the lossy formats' own: float32 accumulation, one final rounding.
 
@@ -140,28 +141,38 @@ class OneRowHead:
         this thread and one-thread helpers up to :attr:`thread_budget` (the step leaves the other
         cores idle: measured on the demo, the head was ~1.7 ms of a ~16 ms step at batch 1 and
         ~3.7 of ~35 at batch 4, streaming 56 MB of bfloat16 on one core); one-row products take
-        the compiled multiply-and-sum, other shapes the library's product. More threads (a
-        prefill's last-token logits) keep the library's product at the step's threads."""
-        small_step = torch.get_num_threads() == 1 and not torch.is_grad_enabled()
+        the compiled multiply-and-sum, at one thread or at the whole budget (a decode team's step,
+        a prefill's last-token logits: the demo's bfloat16 head 0.85 ms at two threads against the
+        library's 2.5), other shapes and other thread counts the library's product."""
+        threads = torch.get_num_threads()
+        compiled = threads in (1, self.thread_budget) and not torch.is_grad_enabled()
         weight = self.head.qweight if isinstance(self.head, Int8Linear) else self.head.weight
-        if small_step and self.thread_budget > 1 and weight.numel() >= SHARED_HEAD_MIN_WEIGHTS:
+        if compiled and threads == 1 and self.thread_budget > 1 and weight.numel() >= SHARED_HEAD_MIN_WEIGHTS:
             return self._shared(x, weight.shape[0])
-        return self._rows(x, 0, weight.shape[0], compiled=small_step)
+        return self._rows(x, 0, weight.shape[0], compiled=compiled)
 
     def warm_up(self, thread_budget: int) -> None:
-        """Share small steps' heads over ``thread_budget`` threads from now on, and compile the row
-        blocks' one-row products here, one after another, so no request (and no helper) waits
-        for a compilation."""
+        """Share small steps' heads over ``thread_budget`` threads from now on, and compile here the
+        one-row products they take (dynamo guards on the thread count): the whole head at the
+        budget's threads, and the row blocks one after another at one thread, so no request (and
+        no helper) waits for a compilation."""
         self.thread_budget = thread_budget
         head = self.head
         weight = head.qweight if isinstance(head, Int8Linear) else head.weight
-        if thread_budget < 2 or weight.numel() < SHARED_HEAD_MIN_WEIGHTS:
-            return
         dtype = head.qscale.dtype if isinstance(head, Int8Linear) else weight.dtype
         x = torch.zeros(1, 1, weight.shape[1], dtype=dtype)
-        with torch.no_grad():
-            for lo, hi in self._blocks(weight.shape[0]):
-                self._rows(x, lo, hi, compiled=True)
+        before = torch.get_num_threads()
+        try:
+            with torch.no_grad():
+                if thread_budget > 1:
+                    torch.set_num_threads(thread_budget)
+                    self._rows(x, 0, weight.shape[0], compiled=True)
+                    if weight.numel() >= SHARED_HEAD_MIN_WEIGHTS:
+                        torch.set_num_threads(1)
+                        for lo, hi in self._blocks(weight.shape[0]):
+                            self._rows(x, lo, hi, compiled=True)
+        finally:
+            torch.set_num_threads(before)
 
     def _blocks(self, rows: int) -> list[tuple[int, int]]:
         parts = HEAD_PARTS_PER_THREAD * self.thread_budget

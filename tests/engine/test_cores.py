@@ -58,8 +58,8 @@ def test_the_engine_starts_with_a_short_spin_unless_the_user_set_a_wait_policy()
 async def test_served_decode_steps_take_the_team_while_the_cores_are_free(tiny, tiny_moe):
     """bfloat16 tiny MoE, compiled step, a budget of two threads, spinning workers: with no other
     load every decode step runs on both threads, with a busy core beside it on one, both on graphs
-    compiled at start (none while serving), and the tokens agree. Prevents: the load never asked,
-    or a team graph compiled mid-request."""
+    compiled at start (none while serving; the LM head's one-row region too), and the tokens agree.
+    Prevents: the load never asked, or a team graph compiled mid-request."""
     from torch._dynamo.utils import counters
 
     off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8)
@@ -74,8 +74,10 @@ async def test_served_decode_steps_take_the_team_while_the_cores_are_free(tiny, 
     try:
         graphs = counters["stats"]["unique_graphs"]
         request = {"r": (prompt_ids(tiny[1], "Decode on the team"), 6, Sampling(temperature=0.0))}
+        head_calls = step.head.one_row_calls
         on_team = (await run_all(runner, {**request}))["r"].generated_tokens
         assert team.team_steps >= 5 and team.one_thread_steps == 0 and runner.step_threads == 2
+        assert step.head.one_row_calls - head_calls >= team.team_steps  # the head's region at 2 threads
         others["cores"] = 1.0  # another program keeps a core busy
         one_thread = (await run_all(runner, {**request}))["r"].generated_tokens
         assert team.one_thread_steps >= 5 and runner.step_threads == 1
