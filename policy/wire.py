@@ -42,6 +42,8 @@ def is_a_stop(exc: BaseException) -> bool:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return False
+
+
 EVENTS_INTERVAL_S = 1.0
 """Cadence of `GET /admin/events`: one snapshot per interval."""
 SNAPSHOT_EVENT = "status"

@@ -151,6 +151,18 @@ def test_a_stop_caught_in_a_string_exec_still_exits_with_the_engines_code(tmp_pa
     assert kept.returncode == -signal.SIGINT  # the quirk itself, so the test above can fail
 
 
+def _stop_in_a_class_body(*_args: object) -> None:
+    """A Stop landing in a class body's ``__set_name__`` while a module imports, as Python raises
+    it (a ``RuntimeError`` whose cause is the interrupt)."""
+
+    class Descriptor:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt
+
+    class Owner:  # noqa: F841 - defining it is the point
+        attr = Descriptor()
+
+
 def test_a_stop_wrapped_while_a_module_imports_ends_the_engine_quietly(monkeypatch):
     """A Stop that lands in a class body's ``__set_name__`` reaches ``serve.main`` as a
     RuntimeError caused by the interrupt (a fresh-clone CI run: a transformers module importing
@@ -158,21 +170,13 @@ def test_a_stop_wrapped_while_a_module_imports_ends_the_engine_quietly(monkeypat
     error still propagates. Prevents: a Stop reported as a crash."""
     from moetray.engine import serve
 
-    def importing(args, stopper):
-        class Descriptor:
-            def __set_name__(self, owner, name):
-                raise KeyboardInterrupt
-
-        class Owner:  # noqa: F841 - defining it is the point
-            attr = Descriptor()
-
     def failing(args, stopper):
         raise RuntimeError("a real failure")
 
     monkeypatch.delenv(wire.PARENT_PID_ENV, raising=False)
     previous = signal.getsignal(signal.SIGINT)
     try:
-        monkeypatch.setattr(serve, "_serve", importing)
+        monkeypatch.setattr(serve, "_serve", _stop_in_a_class_body)
         assert serve.main([]) == 0
         monkeypatch.setattr(serve, "_serve", failing)
         try:
@@ -190,15 +194,7 @@ def test_a_stop_wrapped_while_the_engine_module_imports_ends_the_cli_quietly(mon
     with 0 and says who stopped it. Prevents: a Stop reported as a crash."""
     from moetray.app import cli
 
-    def importing(name):
-        class Descriptor:
-            def __set_name__(self, owner, attr):
-                raise KeyboardInterrupt
-
-        class Owner:  # noqa: F841 - defining it is the point
-            attr = Descriptor()
-
     monkeypatch.delenv(wire.PARENT_PID_ENV, raising=False)
-    monkeypatch.setattr(cli.importlib, "import_module", importing)
+    monkeypatch.setattr(cli.importlib, "import_module", _stop_in_a_class_body)
     assert cli.main(["serve"]) == 0
     assert "stopped by Ctrl-C before it started" in capsys.readouterr().err
