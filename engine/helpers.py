@@ -51,18 +51,25 @@ def share_out(tasks: Sequence[Callable[[], None]], threads: int) -> None:
     """Run every task once, on this thread and up to ``threads - 1`` helpers, each taking the next
     task nobody has taken; returns when all ran (re-raising a task's exception).
 
-    Taken, not dealt: a helper that starts late (its core busy with another process) leaves the
+    Helpers run under the caller's grad mode (thread-local state a compiled task's graph guards on:
+    a helper with its own default would compile the task again, mid-request). Taken, not dealt: a
+    helper that starts late (its core busy with another process) leaves the
     rest to this thread, which never waits for a task that has not started, only for one a helper
     is computing. This thread runs its tasks at one intra-op thread and has its count back on return.
     """
     claim = itertools.count()  # next() is atomic under the GIL
+    grad = torch.is_grad_enabled()  # thread-local: a helper takes the caller's (a compiled task guards on it)
 
     def take() -> None:
         while (i := next(claim)) < len(tasks):
             tasks[i]()
 
+    def help_out() -> None:
+        with torch.set_grad_enabled(grad):
+            take()
+
     helpers = min(threads - 1, len(tasks) - 1, helper_count())
-    futures = [one_thread_helpers().submit(take) for _ in range(max(0, helpers))]
+    futures = [one_thread_helpers().submit(help_out) for _ in range(max(0, helpers))]
     before = torch.get_num_threads()
     if before != 1:
         torch.set_num_threads(1)

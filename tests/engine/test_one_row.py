@@ -213,3 +213,28 @@ async def test_a_served_small_steps_head_is_shared_and_compiled_at_start(tiny, t
             assert step.head.shared_calls - shared >= step.compiled_steps - steps
             assert counters["stats"]["unique_graphs"] == graphs
     assert tokens[2] == tokens[1] and len(tokens[1]) == 6
+
+
+def test_shared_out_tasks_run_under_the_callers_grad_mode():
+    """Grad mode is per thread and a compiled task's graph guards on it: a helper taking a task
+    runs it under the caller's mode, not its thread's default (else it compiled again, mid-request;
+    a fresh-clone CI run saw one graph more while serving). The caller's first task waits until a
+    helper has taken one. Prevents: a helper computing under grad mode in an inference step."""
+    import threading
+
+    from moetray.engine.helpers import share_out
+
+    caller, helper_started = threading.get_ident(), threading.Event()
+    seen: list[tuple[int, bool]] = []
+
+    def task() -> None:
+        seen.append((threading.get_ident(), torch.is_grad_enabled()))
+        if threading.get_ident() == caller:
+            assert helper_started.wait(30), "no helper took a task within 30 s"
+        else:
+            helper_started.set()
+
+    with torch.no_grad():
+        share_out([task] * 4, 2)
+    assert len(seen) == 4 and not any(grad for _, grad in seen)
+    assert len({ident for ident, _ in seen}) == 2
