@@ -15,7 +15,6 @@ May import torch, ``moetray.engine.models``, ``moetray.engine.demo``, ``moetray.
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -181,7 +180,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
 
     progress("compiling the decode kernel", 0, None)
     runtime.warm_up()  # before the runner's settings: its decode steps' threads follow the kernel
-    step_refused = install_decode_step_where_served(  # compiled by the first runner's start (pools.open)
+    step_refused = install_decode_step_where_served(  # compiled by pools.open
         loaded.model, wanted=opts.compile_decode, kernel_serves=runtime.fused is not None,
         max_tokens=FUSED_MAX_TOKENS)
     eos_ids = loader.eos_token_ids(loaded.model, loaded.tokenizer)
@@ -204,14 +203,8 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         one_thread_small_steps=runtime.fused is not None,  # a lossy format on the compiled kernel
         thread_budget=torch.get_num_threads(),
     )
-    # The model and the libraries are long-lived: freeze them out of the cyclic GC, or every
-    # gc.collect() the batching substrate runs when a manager stops (each KV re-split) walks
-    # the whole heap (~1 s instead of ~1 ms). Frozen before the pools are sized: the batch
-    # manager is a reference cycle, and a frozen cycle is never collected, so a KV pool built
-    # before the freeze would stay mapped after its first re-split (issue 11, defect 2).
-    gc.freeze()
     pools = Pools(loaded.model, runtime, budget, measured, settings, trained_context=info.context_length)
-    pools.open(sizes, progress)
+    pools.open(sizes, progress)  # freezes the long-lived objects out of the cyclic GC
     # Loading freed what it only needed on the way (dequantized and full-precision copies of the
     # weights, ``--dtype int8``'s float32 staging, the decode kernel's warm-up); glibc keeps freed
     # heap resident for reuse, so hand it back: 113 MiB of the demo's Q8_0 file served as int8,

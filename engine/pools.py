@@ -145,14 +145,27 @@ class Pools:
     # -- sizes -------------------------------------------------------------------------------
 
     def open(self, sizes: PoolSizes, progress: Callable[[str, int, int | None], None]) -> None:
-        """Give every pool its start-up size and start the batch loop."""
+        """Give every pool its start-up size and start the batch loop.
+
+        Before the runner pools are built, the engine's long-lived objects leave the cyclic GC
+        (``gc.freeze``): the model, the libraries and the compiled decode step's graphs (built
+        first, on a scratch runner that is stopped and collected). Unfrozen, the graphs' ~500k
+        objects made every full collection walk them: one took 480 ms mid-request, on the
+        server's loop with the GIL held, stalling the batch loop too; and every ``gc.collect()``
+        the substrate runs when a manager stops (each KV re-split) walked the whole heap (~1 s
+        instead of ~1 ms). Frozen before the runner's own pools: the batch manager is a
+        reference cycle, and a frozen cycle is never collected, so a KV pool built before the
+        freeze would stay mapped after its first re-split (issue 11, defect 2)."""
         progress("sizing the expert slot pool", 0, 1)
         if sizes.moe_slots != self.runtime.capacity:
             self.runtime.resize(sizes.moe_slots)
-        stage = "the KV and state pools" if self.budget.has_state_pool else "the KV pool"
-        if decode_step_of(self.model) is not None:  # the runner's start builds the step's graphs
-            stage += " and compiling the decode step"
-        progress(f"allocating {stage}", 0, 1)
+        if decode_step_of(self.model) is not None:
+            progress("compiling the decode step", 0, 1)
+            scratch = BatchRunner(self.model, self.settings.config(sizes.kv_pages, sizes.state_slots))
+            scratch.start()  # its warm-up builds the graphs; the real runner's finds them built
+            scratch.stop()  # collected, so its KV pool is unmapped before the freeze
+        gc.freeze()
+        progress(f"allocating {'the KV and state pools' if self.budget.has_state_pool else 'the KV pool'}", 0, 1)
         self.open_kv(sizes.kv_pages, sizes.state_slots)
 
     def sizes(self) -> PoolSizes:

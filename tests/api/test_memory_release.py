@@ -8,6 +8,8 @@ traffic), then re-split away, and ``/proc/self/smaps`` and RSS must show it gone
 
 from __future__ import annotations
 
+import gc
+
 import httpx
 import psutil
 from engine_harness import ADMIN
@@ -66,3 +68,18 @@ def test_a_retired_kv_pool_is_unmapped_and_rss_returns_after_every_resplit(tiny_
         assert mappings_of(startup_bytes) == 0
         _, rss = fill_and_measure(engine)
         assert rss <= 1.15 * rss_small, (rss, rss_small)
+
+
+def test_a_compiled_engine_builds_its_graphs_before_the_freeze_and_maps_one_kv_pool(tiny_qwen3, start_engine):
+    """A lossy format compiles its decode step at start (on a scratch runner) before the long-lived
+    objects leave the cyclic GC: the graphs are frozen, so a full collection does not walk them
+    (unfrozen, the demo's took 480 ms mid-request), and the scratch runner's KV pool was collected
+    first, so one pool is mapped. Prevents: compiling in the live runner's start again, after the
+    freeze (the graphs' objects stay in the collector's reach), or freezing the scratch pool."""
+    engine = start_engine(tiny_qwen3, dtype="int8")
+    assert engine.status()["model"]["decode_step"] == "compiled"
+    runner = engine.engine.pools.runner
+    assert mappings_of(runner.pool_bytes()) == 1
+    gc.collect()
+    unfrozen = len(gc.get_objects())
+    assert unfrozen < 20_000, f"{unfrozen} objects in the collector's reach after a compiled start"
