@@ -165,7 +165,8 @@ class Pools:
             scratch.start()  # its warm-up builds the graphs; the real runner's finds them built
             scratch.stop()  # collected, so its KV pool is unmapped before the freeze
         gc.freeze()
-        progress(f"allocating {'the KV and state pools' if self.budget.has_state_pool else 'the KV pool'}", 0, 1)
+        stage = "the KV and state pools" if self.budget.has_state_pool else "the KV pool"
+        progress(f"allocating {stage}", 0, 1)
         self.open_kv(sizes.kv_pages, sizes.state_slots)
 
     def sizes(self) -> PoolSizes:
