@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import psutil
@@ -28,7 +30,13 @@ most this long on a team."""
 class OthersLoad:
     """Cores that other programs kept busy over the latest interval: the machine's busy time (steal
     included: a hypervisor's other guests take the cores too) less this process's own CPU time
-    (its children, an inductor compile worker, count as others: they compete for the same cores)."""
+    (its children, an inductor compile worker, count as others: they compete for the same cores).
+
+    Sampled every interval by a daemon thread from the first reading on, so a decode step after an
+    idle spell reads the latest interval, not an average over the spell: read lazily, the first
+    step of a request averaged in whatever ran since the previous request (in ``bench decode`` the
+    other servers' rounds, at two busy cores), and ran its first half second on one thread. The
+    thread holds the instance weakly and ends once it is dropped."""
 
     def __init__(self, interval_s: float = LOAD_INTERVAL_S) -> None:
         self.interval_s = interval_s
@@ -36,13 +44,21 @@ class OthersLoad:
         self._last: tuple[float, float, float] | None = None  # (monotonic s, machine busy s, own s)
         self._cores: float | None = None
         self.readings = 0
+        self._stopped = threading.Event()
 
     def cores(self) -> float | None:
-        """Others' busy cores over the latest interval; None until one interval has passed. Reads
-        the counters at most every ``interval_s``."""
+        """Others' busy cores over the latest interval; None until one interval has passed since
+        the first call (which starts the sampling)."""
+        if self._last is None:
+            self.sample()
+            threading.Thread(target=_sample_every, args=(weakref.ref(self), self._stopped, self.interval_s),
+                             name="moetray-others-load", daemon=True).start()
+            weakref.finalize(self, self._stopped.set)
+        return self._cores
+
+    def sample(self) -> None:
+        """Read the counters; the interval since the previous read becomes the reading."""
         now = time.monotonic()
-        if self._last is not None and now - self._last[0] < self.interval_s:
-            return self._cores
         times = psutil.cpu_times()
         # Linux counts guest time inside user and nice already; idle and iowait are not busy.
         not_busy = ("idle", "iowait", "guest", "guest_nice")
@@ -54,7 +70,15 @@ class OthersLoad:
             self._cores = max(0.0, ((busy - busy_then) - (own - own_then)) / (now - then))
             self.readings += 1
         self._last = (now, busy, own)
-        return self._cores
+
+
+def _sample_every(ref: weakref.ref[OthersLoad], stopped: threading.Event, interval_s: float) -> None:
+    while not stopped.wait(interval_s):
+        load = ref()
+        if load is None:
+            return
+        load.sample()
+        del load  # only the weak reference between samples
 
 
 def usable_cores() -> int:
@@ -65,8 +89,8 @@ def usable_cores() -> int:
 
 class DecodeTeam:
     """Whether decode steps run on the whole thread budget now, re-decided on the measured load
-    before each decode step (the reading itself refreshes at most every :data:`LOAD_INTERVAL_S`);
-    counts the decode steps each way.
+    before each decode step (the latest interval's reading, sampled in the background where a team
+    can form at all); counts the decode steps each way.
 
     ``spinning`` defaults to what libgomp read from this process's environment at start (the
     engine's ``serve`` sets it before torch loads); ``load`` to :class:`OthersLoad`."""
@@ -80,19 +104,17 @@ class DecodeTeam:
         self.spinning = spinning
         self.cores = usable_cores() if cores is None else cores
         self.load = OthersLoad().cores if load is None else load
+        # Whether any load lets decode steps on the team (their graphs are compiled at start).
+        self.possible = team_serves_decode(0.0, cores=self.cores, budget=budget, spinning=spinning,
+                                           on_team=False)
         self.on_team = False
         self.team_steps = 0
         self.one_thread_steps = 0
 
-    @property
-    def possible(self) -> bool:
-        """Whether any load lets decode steps on the team (their graphs are compiled at start)."""
-        return team_serves_decode(0.0, cores=self.cores, budget=self.budget, spinning=self.spinning,
-                                  on_team=False)
-
     def decides(self) -> bool:
-        """The choice for the decode step about to run (and counts it)."""
-        others = self.load()
+        """The choice for the decode step about to run (and counts it); the load is read only where
+        a team can form."""
+        others = self.load() if self.possible else None
         on_team = team_serves_decode(others, cores=self.cores, budget=self.budget, spinning=self.spinning,
                                      on_team=self.on_team)
         if on_team != self.on_team:

@@ -5,7 +5,8 @@
 
 Sends ``N`` chat completions (``C`` at a time) with ``stream: true``, greedy, every request
 asked for exactly ``T`` new tokens (``ignore_eos``), each a different prompt so no reply is a
-copy of another, and prints one JSON object: per request the time to the first content
+copy of another (after an optional short warm-up request and a pause, :data:`SETTLE_S`), and
+prints one JSON object: per request the time to the first content
 token, the time of the last one and the completion tokens (from the usage chunk); overall
 the wall time and aggregate tokens per second. It runs in its own process so that its SSE
 parsing never competes with the measured server for that server's interpreter lock; the
@@ -23,6 +24,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+
+from moetray.engine.cores import LOAD_INTERVAL_S
+
+SETTLE_S = 2 * LOAD_INTERVAL_S
+"""Seconds the client waits before the timed requests (after its warm-up request, if any): its own start-up (a
+Python interpreter importing httpx and asyncio, ~0.3-0.5 s of a core) is then older than two of the
+engines' load readings, so an engine that gives decode steps the whole thread budget only while
+other programs leave the cores free (``engine/cores.py``) does not read the load generator's start
+as a busy machine (it did: 40 % of the timed batch-1 steps on one thread). Every server waits the
+same."""
 
 TOPICS = ["the sea", "mountains", "a library", "trains", "gardens", "the moon", "rivers", "winter",
           "a market", "bridges", "clocks", "forests", "deserts", "islands", "cities", "music"]
@@ -82,6 +93,7 @@ async def run(url: str, model: str, *, concurrency: int, requests: int, max_toke
             warm = {"model": model, "messages": prompt(0, "warm-up"), "max_tokens": 4, "temperature": 0,
                     "stream": True, **extra}
             await one_request(client, url, {k: v for k, v in warm.items() if v is not None})
+        await asyncio.sleep(SETTLE_S)
         t0 = time.perf_counter()
         replies = await asyncio.gather(*(limited(i, client) for i in range(requests)))
         wall = time.perf_counter() - t0

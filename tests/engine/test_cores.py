@@ -4,9 +4,11 @@ the load leaves the cores free, on one thread when it does not, on graphs compil
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -31,13 +33,47 @@ def test_a_busy_program_beside_the_engine_reads_as_others_load(processes):
     assert load.cores() is None  # no interval has passed yet
     processes.spawn([sys.executable, "-c", BUSY])
     time.sleep(0.3)  # the child is running
-    load.cores()
+    first = load.readings
     deadline = time.monotonic() + 30
-    while load.readings < 2 and time.monotonic() < deadline:  # a whole interval with the child busy
+    while load.readings < first + 2 and time.monotonic() < deadline:  # a whole interval with the child busy
         time.sleep(0.1)
-        load.cores()
-    assert load.readings >= 2, "no interval of CPU counters was read within 30 s"
+    assert load.readings >= first + 2, "no interval of CPU counters was read within 30 s"
     assert load.cores() >= 0.5
+
+
+def test_the_load_is_sampled_between_readings_and_the_sampler_ends_with_its_reader():
+    """After the first reading the counters are read every interval with nobody asking, so the
+    reading a decode step takes after an idle spell is the latest interval's; the sampler thread
+    ends once the reader is dropped. Prevents: a first step after idle that averages the whole
+    spell (other programs' work long past), or a thread per retired batch runner left running."""
+    def samplers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "moetray-others-load"}
+
+    before = samplers()
+    load = OthersLoad(interval_s=0.05)
+    assert load.cores() is None
+    (sampler,) = samplers() - before
+    deadline = time.monotonic() + 30
+    while load.readings < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert load.readings >= 3, "the counters were not sampled in the background within 30 s"
+    assert load.cores() is not None
+    del load
+    gc.collect()
+    sampler.join(timeout=30)
+    assert not sampler.is_alive(), "the sampler outlived its reader"
+
+
+def test_a_team_that_cannot_form_never_reads_the_load():
+    """Passive OpenMP waits (the tests' own setting) or a budget of one thread: every decode step
+    on one thread, and no load reading (no sampler thread) for it."""
+    asked = []
+    for team in (DecodeTeam(2, spinning=False, load=lambda: asked.append(1) or 0.0, cores=2),
+                 DecodeTeam(1, spinning=True, load=lambda: asked.append(1) or 0.0, cores=2)):
+        assert not team.possible
+        assert [team.decides() for _ in range(3)] == [False] * 3
+        assert team.one_thread_steps == 3
+    assert asked == []
 
 
 def test_the_engine_starts_with_a_short_spin_unless_the_user_set_a_wait_policy():
