@@ -36,7 +36,7 @@ class OthersLoad:
     idle spell reads the latest interval, not an average over the spell: read lazily, the first
     step of a request averaged in whatever ran since the previous request (in ``bench decode`` the
     other servers' rounds, at two busy cores), and ran its first half second on one thread. The
-    thread holds the instance weakly and ends once it is dropped."""
+    thread holds the instance weakly and ends at its first wake-up after it is dropped."""
 
     def __init__(self, interval_s: float = LOAD_INTERVAL_S) -> None:
         self.interval_s = interval_s
@@ -44,16 +44,14 @@ class OthersLoad:
         self._last: tuple[float, float, float] | None = None  # (monotonic s, machine busy s, own s)
         self._cores: float | None = None
         self.readings = 0
-        self._stopped = threading.Event()
 
     def cores(self) -> float | None:
         """Others' busy cores over the latest interval; None until one interval has passed since
         the first call (which starts the sampling)."""
         if self._last is None:
             self.sample()
-            threading.Thread(target=_sample_every, args=(weakref.ref(self), self._stopped, self.interval_s),
+            threading.Thread(target=_sample_every, args=(weakref.ref(self), self.interval_s),
                              name="moetray-others-load", daemon=True).start()
-            weakref.finalize(self, self._stopped.set)
         return self._cores
 
     def sample(self) -> None:
@@ -72,8 +70,9 @@ class OthersLoad:
         self._last = (now, busy, own)
 
 
-def _sample_every(ref: weakref.ref[OthersLoad], stopped: threading.Event, interval_s: float) -> None:
-    while not stopped.wait(interval_s):
+def _sample_every(ref: weakref.ref[OthersLoad], interval_s: float) -> None:
+    while True:
+        time.sleep(interval_s)
         load = ref()
         if load is None:
             return

@@ -58,7 +58,7 @@ def share_out(tasks: Sequence[Callable[[], None]], threads: int) -> None:
     is computing. This thread runs its tasks at one intra-op thread and has its count back on return.
     """
     claim = itertools.count()  # next() is atomic under the GIL
-    grad = torch.is_grad_enabled()  # thread-local: a helper takes the caller's (a compiled task guards on it)
+    grad = torch.is_grad_enabled()
 
     def take() -> None:
         while (i := next(claim)) < len(tasks):
