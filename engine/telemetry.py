@@ -137,7 +137,7 @@ def device_memory(device, budget, footprint: Footprint | None) -> dict[str, obje
         import torch
 
         free, total = torch.cuda.mem_get_info(device)
-        engine = _nvml_process_bytes(device)
+        engine = nvml_process_bytes(device.index or 0, os.getpid())
         if engine is None:
             engine = int(torch.cuda.memory_reserved(device))
         others = total - free - engine
@@ -172,19 +172,33 @@ def device_memory(device, budget, footprint: Footprint | None) -> dict[str, obje
     }
 
 
-def _nvml_process_bytes(device) -> int | None:
-    """This process's device memory as NVML sees it, or ``None`` where NVML cannot say."""
+def nvml_process_bytes(index: int, pid: int) -> int | None:
+    """Device memory of process ``pid`` on GPU ``index`` as NVML sees it, or ``None`` where NVML cannot
+    say (no NVIDIA driver, or a container that hides other processes)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            index = device.index or 0
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                if proc.pid == pid and proc.usedGpuMemory is not None:
                     return int(proc.usedGpuMemory)
             return None
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def nvml_used_bytes(index: int) -> int | None:
+    """Device memory in use on GPU ``index`` by every process together (NVML), or ``None`` without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
         finally:
             pynvml.nvmlShutdown()
     except Exception:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,8 @@ PROMPTS = [
     "List three uses of a paperclip, one per line.",
     "What is the capital of France, and what river runs through it?",
 ]
+LLAMA_CONTEXT = 2048
+"""llama.cpp's context per request (llama-cpp-python's ``n_ctx``; llama-server gets one per slot)."""
 RSS_GOAL_RATIO = 1.3
 RSS_GOAL = "rss_le_1.3x"
 """The goal's name in receipts (``bench decode``'s too): moetray's RSS ≤ 1.3 × llama.cpp's."""
@@ -51,8 +54,8 @@ import json, sys, threading, time, os
 import psutil
 from llama_cpp import Llama
 cfg = json.loads(sys.argv[1])
-llm = Llama(model_path=cfg["model"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_ctx=2048,
-            verbose=False, seed=0)
+llm = Llama(model_path=cfg["model"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
+            n_ctx=cfg["n_ctx"], verbose=False, seed=0)
 lock = threading.Lock()
 def one(prompt):
     msgs = [{"role": "user", "content": prompt}]
@@ -110,6 +113,7 @@ def _run_llama(model: Path, args) -> dict[str, Any]:
     cfg = {
         "model": str(model),
         "threads": args.threads,
+        "n_ctx": LLAMA_CONTEXT,
         "tokens": args.tokens,
         "prompts": PROMPTS,
         "concurrency": args.concurrency,
@@ -142,7 +146,8 @@ def _stream_one(url: str, prompt: str, tokens: int) -> dict[str, Any]:
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            delta = json.loads(line[6:])["choices"][0]["delta"]
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            delta = choices[0].get("delta") or {}
             if delta.get("content") or delta.get("reasoning_content"):
                 n += 1
                 first = first or time.perf_counter()
@@ -150,56 +155,97 @@ def _stream_one(url: str, prompt: str, tokens: int) -> dict[str, Any]:
     return {"ttft": (first or end) - t0, "tokens": n, "decode_s": end - (first or end)}
 
 
-def _run_moetray(model: Path, args) -> dict[str, Any]:
-    import httpx
+def _drive(url: str, args) -> dict[str, Any]:
+    """One warm-up request, then each of ``args.concurrency``'s rounds: its requests and wall time."""
+    out: dict[str, Any] = {}
+    _stream_one(url, PROMPTS[0], args.tokens)
+    for conc in args.concurrency:
+        results: list[dict[str, Any]] = []
+        start = time.perf_counter()
+        threads = [
+            threading.Thread(target=lambda p=p, out=results: out.append(_stream_one(url, p, args.tokens)))
+            for p in PROMPTS[:conc]
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out[str(conc)] = {"requests": results, "wall_s": time.perf_counter() - start}
+    return out
+
+
+def _footprint(pid: int, before: int | None) -> dict[str, Any]:
+    """A serving child's memory, read after its last request: RSS, and on an NVIDIA GPU its device
+    memory (NVML's figure for the process where the driver names it, and the device's use over
+    ``before``, read before the child started)."""
     import psutil
 
+    from moetray.engine.telemetry import nvml_process_bytes, nvml_used_bytes
+
+    used = nvml_used_bytes(0)
+    return {
+        "rss": psutil.Process(pid).memory_info().rss,
+        "device_process_bytes": nvml_process_bytes(0, pid),
+        "device_delta_bytes": used - before if used is not None and before is not None else None,
+    }
+
+
+def _run_moetray(model: Path, args, capacity: str | None) -> dict[str, Any]:
+    import httpx
+
     from moetray.engine.serve import DEFAULT_PORT
+    from moetray.engine.telemetry import nvml_used_bytes
 
     port = args.port or DEFAULT_PORT + 7
     env = {**os.environ, "MOETRAY_ADMIN_TOKEN": "bench-peer", "OMP_NUM_THREADS": str(args.threads)}
     cmd = [
-        sys.executable,
-        "-m",
-        "moetray.app.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        "--threads",
-        str(args.threads),
-        "--log-level",
-        "warning",
+        sys.executable, "-m", "moetray.app.cli", "serve", "--model", str(model), "--port", str(port),
+        "--threads", str(args.threads), "--log-level", "warning", "--device", args.device,
     ]
-    if args.moe_capacity:
-        cmd += ["--moe-capacity", args.moe_capacity]
+    if capacity:
+        cmd += ["--moe-capacity", capacity]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
+    if args.kv_tokens:
+        cmd += ["--kv-tokens", str(args.kv_tokens)]
     log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / "moetray.log"
+    before = nvml_used_bytes(0)
     child = Child("moetray serve", cmd, port, env, log)
     url = child.url
     try:
         child.wait_ready(engine_serving, args.timeout)
-        out: dict[str, Any] = {}
-        _stream_one(url, PROMPTS[0], args.tokens)  # warm-up
-        for conc in args.concurrency:
-            results: list[dict[str, Any]] = []
-            start = time.perf_counter()
-            threads = [
-                threading.Thread(target=lambda p=p, out=results: out.append(_stream_one(url, p, args.tokens)))
-                for p in PROMPTS[:conc]
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            out[str(conc)] = {"requests": results, "wall_s": time.perf_counter() - start}
-        out["rss"] = psutil.Process(child.proc.pid).memory_info().rss
+        out = _drive(url, args)
+        out.update(_footprint(child.proc.pid, before))
         status = httpx.get(f"{url}/admin/status", headers={"Authorization": "Bearer bench-peer"}).json()
         out["expert_store_format"] = status["experts"]["expert_store_format"]
         out["dtype"] = (status.get("model") or {}).get("dtype")
         out["moe_slots"] = status["pools"]["moe_slots"]
+        return out
+    finally:
+        child.stop()
+
+
+def _run_llama_server(model: Path, args, n_cpu_moe: int | None) -> dict[str, Any]:
+    """llama.cpp's own OpenAI server (``--llama-server``) on ``model``, driven like moetray: one slot per
+    request of the largest concurrency (it batches them), the same context as moetray's KV pool."""
+    from moetray.engine.bench.serve import free_port
+    from moetray.engine.telemetry import nvml_used_bytes
+
+    port = free_port()
+    cmd = [
+        str(args.llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "-t", str(args.threads), "-tb", str(args.threads), "-np", str(max(args.concurrency)),
+        "-c", str(args.kv_tokens or LLAMA_CONTEXT * max(args.concurrency)), *shlex.split(args.llama_args),
+    ]
+    if n_cpu_moe is not None:
+        cmd += ["--n-cpu-moe", str(n_cpu_moe)]
+    log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / "llama-server.log"
+    before = nvml_used_bytes(0)
+    child = Child("llama-server", cmd, port, peer_env(), log)
+    try:
+        child.wait_ready(lambda r: r.status_code == 200, args.timeout)
+        out = _drive(child.url, args)
+        out.update(_footprint(child.proc.pid, before))
         return out
     finally:
         child.stop()
@@ -252,130 +298,187 @@ def rss_goal_from_receipt(path: Path | None = None) -> dict[str, Any] | None:
     }
 
 
+def _settings(args) -> list[tuple[str, int | None, str | None]]:
+    """The rows' settings: (label, llama.cpp's ``--n-cpu-moe``, moetray's ``--moe-capacity``); the first
+    keeps every expert on the device, each ``--offload CAPACITY:N`` pair then moves some off it."""
+    out: list[tuple[str, int | None, str | None]] = [("resident", None, args.moe_capacity)]
+    for pair in filter(None, args.offload.split(",")):
+        capacity, _, n_cpu_moe = pair.partition(":")
+        out.append((f"moetray {capacity} / llama.cpp --n-cpu-moe {n_cpu_moe}", int(n_cpu_moe), capacity))
+    return out
+
+
+def _files(args, workdir: Path) -> list[tuple[str, Path]]:
+    """The GGUF files both serve: ``--gguf``, else the demo (or with ``--twin DIR`` a random-weight
+    model of DIR's config and tokenizer) exported in each of ``--types``."""
+    if args.gguf is not None:
+        return [(args.gguf.name, args.gguf)]
+    from moetray.engine.models.gguf_export import export_gguf
+
+    if args.twin is not None:
+        from moetray.engine.bench.random_model import ensure_random_twin
+
+        name, source = "twin", ensure_random_twin(args.twin, workdir / "twin")
+    else:
+        from moetray.engine.demo import ensure_demo_model
+
+        name, source = "demo", ensure_demo_model()
+    files = []
+    for qtype in args.types.split(","):
+        dest = workdir / f"{name}-{qtype}.gguf"
+        if not dest.exists():
+            _progress(f"exporting the {name} as {qtype}")
+            export_gguf(source, dest, qtype, output_weight=True, gate_floor=1e-30)
+        files.append((f"{name} {qtype}", dest))
+    return files
+
+
+def _mib(value: int | None) -> float | None:
+    return value / 2**20 if value is not None else None
+
+
+def _device_mib(run: dict[str, Any]) -> float | None:
+    """A child's device memory: NVML's per-process figure, else the device's use over the start."""
+    return _mib(run.get("device_process_bytes") or run.get("device_delta_bytes"))
+
+
+def _without_workdir(argv: list[str]) -> list[str]:
+    """``argv`` less ``--workdir`` and its value (a scratch folder of this run, not a setting)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--workdir="):
+            skip = False
+        elif arg == "--workdir":
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moetray bench peer", description=__doc__.split("\n")[0])
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="the file both serve (default: the demo, exported)")
+    p.add_argument("--twin", type=Path, default=None, metavar="DIR",
+                   help="instead of the demo: a seeded random-weight model of DIR's config and tokenizer "
+                   "(where the demo cannot be built, such as a lent GPU)")
+    p.add_argument("--types", default="F16,Q8_0", help="with the demo: the GGUF types to export and compare")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    p.add_argument("--moe-capacity", default="100%", help="moetray's expert slots (default: every expert)")
+    p.add_argument("--dtype", default=None, help="moetray serve's --dtype (default: its own default, auto)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="moetray serve's --device")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="moetray's KV pool in tokens, and llama-server's context (default: each its own)")
+    p.add_argument("--llama-server", type=Path, default=None, metavar="BIN",
+                   help="llama.cpp's own server binary in place of llama-cpp-python (a CUDA build on a GPU)")
+    p.add_argument("--llama-args", default="", help="extra llama-server arguments, e.g. '-ngl 99'")
+    p.add_argument("--offload", default="", metavar="CAPACITY:N,…",
+                   help="with --llama-server: also compare moetray at --moe-capacity CAPACITY with "
+                   "llama-server --n-cpu-moe N (e.g. 50%%:15 for half of 30 layers' experts off the GPU)")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--receipt", default="peer")
+    return p
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moetray bench peer", description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--gguf", type=Path, default=None, help="the file both serve (default: the demo, exported)"
-    )
-    parser.add_argument(
-        "--types", default="F16,Q8_0", help="with the demo: the GGUF types to export and compare"
-    )
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
-    parser.add_argument(
-        "--moe-capacity", default="100%", help="moetray's expert slots (default: every expert)"
-    )
-    parser.add_argument(
-        "--dtype", default=None, help="moetray serve's --dtype (default: its own default, auto)"
-    )
-    parser.add_argument("--port", type=int, default=None)
-    parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--workdir", default=None)
-    args = parser.parse_args(argv)
-    if not llama_cpp_available():
+    args = parser().parse_args(argv)
+    if args.offload and args.llama_server is None:
+        print("moetray bench peer: --offload needs --llama-server (llama-cpp-python has no --n-cpu-moe)",
+              file=sys.stderr)
+        return 2
+    if args.llama_server is None and not llama_cpp_available():
         print(
             "moetray bench peer: skipped: llama-cpp-python is not installed (an optional extra that "
-            "compiles llama.cpp: pip install 'moetray[peer]')",
+            "compiles llama.cpp: pip install 'moetray[peer]'), and no --llama-server was given",
             file=sys.stderr,
         )
         return 0
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moetray-bench-peer-"))
-    files: list[tuple[str, Path]] = []
-    if args.gguf is not None:
-        files.append((args.gguf.name, args.gguf))
-    else:
-        from moetray.engine.demo import ensure_demo_model
-        from moetray.engine.models.gguf_export import export_gguf
-
-        demo = ensure_demo_model()
-        for qtype in args.types.split(","):
-            dest = workdir / f"demo-{qtype}.gguf"
-            if not dest.exists():
-                _progress(f"exporting the demo as {qtype}")
-                export_gguf(demo, dest, qtype, output_weight=True, gate_floor=1e-30)
-            files.append((f"demo {qtype}", dest))
     rows, table, rss = [], [], {}
+    files = _files(args, workdir)
     for label, path in files:
-        _progress(f"{label}: llama.cpp")
-        llama = _run_llama(path, args)
-        _progress(f"{label}: moetray")
-        ours = _run_moetray(path, args)
-        ls, ms = _summary(llama), _summary(ours)
-        rss[label] = rss_goal(ours["rss"], llama["rss"], ours.get("dtype"))
-        for conc in map(str, args.concurrency):
-            row = {
-                "file": label,
-                "concurrency": int(conc),
-                "llama_cpp": ls[conc],
-                "moetray": ms[conc],
-                "llama_rss": llama["rss"],
-                "moetray_rss": ours["rss"],
-                "moetray_store": ours.get("expert_store_format"),
-                "moetray_dtype": ours.get("dtype"),
-                "rss_ratio": rss[label]["ratio"],
-            }
-            for key in ("decode_tok_s", "aggregate_tok_s", "ttft_ms"):
-                a, b = ms[conc][key], ls[conc][key]
-                row[f"{key}_ratio"] = a / b if a and b else None
-            rows.append(row)
-            table.append(
-                [
-                    label,
-                    int(conc),
-                    ls[conc]["decode_tok_s"],
-                    ms[conc]["decode_tok_s"],
-                    row["decode_tok_s_ratio"],
-                    ls[conc]["aggregate_tok_s"],
-                    ms[conc]["aggregate_tok_s"],
-                    ls[conc]["ttft_ms"],
-                    ms[conc]["ttft_ms"],
-                    llama["rss"] / 2**20,
-                    ours["rss"] / 2**20,
-                    rss[label]["ratio"],
-                ]
-            )
-            lc, mc = ls[conc], ms[conc]
-            _progress(
-                f"  c={conc}: decode llama.cpp {lc['decode_tok_s']} vs moetray {mc['decode_tok_s']} tok/s; "
-                f"TTFT {lc['ttft_ms']:.0f} vs {mc['ttft_ms']:.0f} ms"
-            )
+        for setting, n_cpu_moe, capacity in _settings(args):
+            _progress(f"{label}, {setting}: llama.cpp")
+            llama = (_run_llama_server(path, args, n_cpu_moe) if args.llama_server is not None
+                     else _run_llama(path, args))
+            _progress(f"{label}, {setting}: moetray")
+            ours = _run_moetray(path, args, capacity)
+            ls, ms = _summary(llama), _summary(ours)
+            if n_cpu_moe is None:
+                rss[label] = rss_goal(ours["rss"], llama["rss"], ours.get("dtype"))
+            for conc in map(str, args.concurrency):
+                row = {
+                    "file": label,
+                    "setting": setting,
+                    "concurrency": int(conc),
+                    "llama_cpp": ls[conc],
+                    "moetray": ms[conc],
+                    "llama_rss": llama["rss"],
+                    "moetray_rss": ours["rss"],
+                    "llama_device_mib": _device_mib(llama),
+                    "moetray_device_mib": _device_mib(ours),
+                    "moetray_store": ours.get("expert_store_format"),
+                    "moetray_dtype": ours.get("dtype"),
+                    "moetray_slots": ours.get("moe_slots"),
+                    "rss_ratio": ours["rss"] / llama["rss"],
+                }
+                for key in ("decode_tok_s", "aggregate_tok_s", "ttft_ms"):
+                    a, b = ms[conc][key], ls[conc][key]
+                    row[f"{key}_ratio"] = a / b if a and b else None
+                rows.append(row)
+                table.append([
+                    label, setting, int(conc), ls[conc]["decode_tok_s"], ms[conc]["decode_tok_s"],
+                    row["decode_tok_s_ratio"], ls[conc]["aggregate_tok_s"], ms[conc]["aggregate_tok_s"],
+                    ls[conc]["ttft_ms"], ms[conc]["ttft_ms"], _mib(llama["rss"]), _mib(ours["rss"]),
+                    row["rss_ratio"], row["llama_device_mib"], row["moetray_device_mib"],
+                ])
+                lc, mc = ls[conc], ms[conc]
+                _progress(
+                    f"  c={conc}: decode llama.cpp {lc['decode_tok_s']} vs moetray "
+                    f"{mc['decode_tok_s']} tok/s; "
+                    f"TTFT {lc['ttft_ms']:.0f} vs {mc['ttft_ms']:.0f} ms"
+                )
     goal = rss_goal_summary(rss)
+    peer = (f"llama-server ({args.llama_server.name} {args.llama_args})".replace(" )", ")")
+            if args.llama_server is not None else "llama-cpp-python")
     path = write_receipt(
-        "peer",
+        args.receipt,
         params={
             "threads": args.threads,
             "tokens": args.tokens,
             "concurrency": args.concurrency,
             "moe_capacity": args.moe_capacity,
             "dtype": args.dtype,
+            "device": args.device,
+            "kv_tokens": args.kv_tokens,
+            "peer": peer,
+            "offload": args.offload or None,
             "files": [label for label, _ in files],
         },
         results={"rows": rows, "goals": {RSS_GOAL: goal}},
         columns=[
-            "file",
-            "concurrency",
-            "llama.cpp decode tok/s",
-            "moetray decode tok/s",
-            "moetray ÷ llama.cpp",
-            "llama.cpp aggregate tok/s",
-            "moetray aggregate tok/s",
-            "llama.cpp TTFT ms",
-            "moetray TTFT ms",
-            "llama.cpp RSS MiB",
-            "moetray RSS MiB",
-            "RSS moetray ÷ llama.cpp",
+            "file", "setting", "concurrency", "llama.cpp decode tok/s", "moetray decode tok/s",
+            "moetray ÷ llama.cpp", "llama.cpp aggregate tok/s", "moetray aggregate tok/s",
+            "llama.cpp TTFT ms", "moetray TTFT ms", "llama.cpp RSS MiB", "moetray RSS MiB",
+            "RSS moetray ÷ llama.cpp", "llama.cpp device MiB", "moetray device MiB",
         ],
         rows=table,
-        title="moetray vs llama.cpp on the same GGUF (llama-cpp-python, CPU)",
+        title=f"moetray vs llama.cpp on the same GGUF ({peer}, moetray on --device {args.device})",
         notes=[
             "Same file, prompts, thread count and greedy decode; each server in its own child process. "
             "Decode tok/s: per request, tokens after the first over the time after the first (median). "
-            "llama-cpp-python's Llama decodes one sequence at a time: its concurrent requests queue.",
+            + ("llama-cpp-python's Llama decodes one sequence at a time: its concurrent requests queue."
+               if args.llama_server is None else
+               "llama-server batches its concurrent requests (one slot each, --parallel)."),
+            "Device MiB: NVML's figure for the server's process where the driver names it, else the "
+            "GPU's memory in use while it served over before it started (— without an NVIDIA GPU).",
             rss_goal_note(goal),
-            "reproduce: `.venv/bin/moetray bench peer "
-            + " ".join(a for a in argv if "workdir" not in a)
-            + "`",
+            f"reproduce: `.venv/bin/moetray bench peer {shlex.join(_without_workdir(argv))}`",
         ],
     )
     _progress(f"receipt: {path}")

@@ -60,3 +60,25 @@ def ensure_random_model(path: Path, config_class: Any, **family: Any) -> Path:
     fast.save_pretrained(tmp)
     tmp.rename(path)
     return path
+
+
+def ensure_random_twin(source: Path, path: Path) -> Path:
+    """``path`` holding a seeded random-weight model of ``source``'s config and tokenizer, built once.
+
+    For a machine a checkpoint cannot travel to (a lent GPU takes 64 MiB of files): the same
+    architecture and geometry, so the same bytes and kernels per token, from ``source``'s
+    ``config.json`` and tokenizer files alone. Renamed into place like :func:`ensure_random_model`.
+    """
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(source)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tmp = path.with_name(path.name + ".partial")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+    tmp.rename(path)
+    return path

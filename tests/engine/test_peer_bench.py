@@ -1,0 +1,64 @@
+"""`moetray bench peer`'s settings, its refusals, and the random twin it serves where the demo cannot
+be built (a lent GPU). The servers themselves are measured by the bench, not here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moetray.engine.bench import peer
+from moetray.engine.bench.random_model import ensure_random_model, ensure_random_twin
+
+
+def test_offload_pairs_follow_the_resident_row_with_both_engines_settings():
+    """Each ``CAPACITY:N`` pair is one row: moetray at that expert capacity, llama.cpp with that
+    ``--n-cpu-moe``; the resident row (every expert on the device) comes first and carries the RSS
+    goal. Prevents: a pair whose halves are swapped or an offload row read as the resident one."""
+    args = peer.parser().parse_args(["--llama-server", "/bin/true", "--offload", "50%:15,25%:23"])
+    assert peer._settings(args) == [
+        ("resident", None, "100%"),
+        ("moetray 50% / llama.cpp --n-cpu-moe 15", 15, "50%"),
+        ("moetray 25% / llama.cpp --n-cpu-moe 23", 23, "25%"),
+    ]
+    assert peer._settings(peer.parser().parse_args([])) == [("resident", None, "100%")]
+
+
+def test_offload_without_llama_server_is_refused_before_any_work(tmp_path, capsys):
+    """llama-cpp-python has no ``--n-cpu-moe``: the run is refused by name, exporting nothing."""
+    assert peer.main(["--offload", "50%:15", "--workdir", str(tmp_path)]) == 2
+    assert "--offload needs --llama-server" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_device_column_is_measured_or_null():
+    """A child's device memory is NVML's per-process figure, else the device's use over its start, else
+    null (no NVIDIA GPU): never 0 for unknown."""
+    assert peer._device_mib({"device_process_bytes": None, "device_delta_bytes": None}) is None
+    assert peer._device_mib({"device_process_bytes": None, "device_delta_bytes": 3 << 20}) == 3
+    assert peer._device_mib({"device_process_bytes": 5 << 20, "device_delta_bytes": 3 << 20}) == 5
+
+
+@pytest.mark.slow
+def test_a_twin_has_the_sources_geometry_and_tokenizer_and_is_seeded(tmp_path):
+    """The twin keeps the source's config (so the same bytes and kernels per token) and tokenizer, with
+    weights of its own seed: built twice, the same model. Prevents: a twin of another shape."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2MoeConfig
+
+    source = ensure_random_model(tmp_path / "source", Qwen2MoeConfig, shared_expert_intermediate_size=128)
+    a, b = ensure_random_twin(source, tmp_path / "a"), ensure_random_twin(source, tmp_path / "b")
+    ours, theirs = (json.loads((d / "config.json").read_text()) for d in (a, source))
+    for key in ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "vocab_size",
+                "moe_intermediate_size", "num_key_value_heads"):
+        assert ours[key] == theirs[key]
+    assert AutoTokenizer.from_pretrained(a).get_vocab() == AutoTokenizer.from_pretrained(source).get_vocab()
+    wa, wb = (AutoModelForCausalLM.from_pretrained(d).state_dict()["model.layers.0.mlp.gate.weight"]
+              for d in (a, b))
+    assert torch.equal(wa, wb)
+
+
+def test_the_reproduce_line_drops_the_scratch_folder_and_its_value():
+    """Prevents: a receipt whose reproduce line names this run's temporary folder as a bare argument."""
+    argv = ["--types", "F16", "--workdir", "/tmp/x", "--tokens", "8", "--workdir=/tmp/y"]
+    assert peer._without_workdir(argv) == ["--types", "F16", "--tokens", "8"]
