@@ -23,12 +23,12 @@ xz -dc .devcarry/llama-server.xz > /tmp/llama-server && chmod +x /tmp/llama-serv
 cat "$OUT/machine.txt"
 step() { local limit=$1; shift; echo "== $* (limit ${limit}s)"; timeout "$limit" "$@" 2>&1 | tail -40; }
 # 30 layers: --n-cpu-moe 15 keeps half of the layers' experts in host memory, 23 about three quarters.
-step 330 python3 -m moetray.app.cli bench peer --twin .devcarry/demo-shape --types F16 --device cuda \
+step 400 python3 -m moetray.app.cli bench peer --twin .devcarry/demo-shape --types F16 --device cuda \
   --dtype bfloat16 --kv-tokens 8192 --threads 8 --tokens 64 --concurrency 1,4 \
   --llama-server /tmp/llama-server --llama-args "-ngl 99" --offload 50%:15,25%:23 \
   --receipt peer-cuda --workdir /tmp/peer --timeout 150
-step 120 python3 -m moetray.app.cli bench engine --device cuda --skip-accelerate --tokens 16 --repeats 2 \
+step 100 python3 -m moetray.app.cli bench engine --device cuda --skip-accelerate --tokens 16 --repeats 2 \
   --receipt engine-cuda
-step 45 python3 -m moetray.app.cli bench bw --device cuda --seconds 1 --no-profile --receipt bw-cuda
+step 40 python3 -m moetray.app.cli bench bw --device cuda --seconds 1 --no-profile --receipt bw-cuda
 for f in /tmp/moetray-peer-*/*.log; do echo "=== $f"; tail -30 "$f"; done > "$OUT/server-logs.txt" 2>&1
 ls "$OUT"
