@@ -28,6 +28,8 @@ from moetray.policy.pool_budget import reserve_pages
 from moetray.policy.pool_sizes import RebuildRequest
 
 if TYPE_CHECKING:
+    import torch
+
     from moetray.engine.chat import ChatSupport
     from moetray.engine.core import EngineOptions
     from moetray.engine.models.checkpoint import LoadedModel
@@ -94,6 +96,22 @@ class ServedModel:
         }
 
 
+def keep_decode_attention_planless(device: torch.device) -> bool:
+    """On CUDA, turn cuDNN's attention backend off for this process; whether it did.
+
+    cuDNN's fused attention builds an execution plan for each new query and key shape, and every
+    decode step brings a new KV length: on an H200 serving the demo's 30-layer twin it spent ~2 ms of
+    host time per layer per step (169 ms a step in bfloat16, 72 ms with it off; one run each,
+    ``bench/gpu/``). Without it PyTorch picks flash or memory-efficient attention, which plan nothing.
+    """
+    if device.type != "cuda":
+        return False
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
+
+
 def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pools]:
     """Read, price, load and open the pools; raises the checkpoint's or the budget's refusals."""
     import torch
@@ -113,6 +131,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
     info = loader.inspect_checkpoint(model_dir)
     prefix_policy = choose_prefix_policy(opts.prefix_policy, info.config)
     device = loader.resolve_device(opts.device)
+    keep_decode_attention_planless(device)
     fmt = loader.serving_format(opts.dtype, info, device)
     top_k = opts.top_k or info.default_top_k
     if top_k != info.top_k and not info.top_k_adjustable:

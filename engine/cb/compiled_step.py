@@ -41,6 +41,7 @@ from moetray.engine.cb.one_row import (
     install_one_row_products,
 )
 from moetray.engine.cb.state import StateGeometry
+from moetray.engine.compiling import compile_region
 from moetray.policy.step_threads import step_threads
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class CompiledDecodeStep:
         self.head = head  # the LM head's one-row products (engine/cb/one_row.py): half precision or int8
         self.eager = decoder.forward
         # Sizes turn symbolic as they vary; a few graphs per thread count (the limit is this region's).
-        self.graph = torch.compile(  # type: ignore[call-overload]  # torch 2.13's stubs lack recompile_limit
+        self.graph = compile_region(
             _own_code(self.eager), fullgraph=True, recompile_limit=STEP_GRAPHS,
             options={"guard_filter_fn": self._filter_guards})
         self.reason: str | None = None  # why steps run eagerly; None while the graph serves

@@ -49,6 +49,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from moetray.engine.compiling import compile_region
 from moetray.engine.experts.fused import float_buffer
 from moetray.engine.helpers import share_out
 from moetray.engine.models.precision import Int8Linear, int8_product
@@ -121,7 +122,7 @@ class OneRowHead:
 
     def __init__(self, head: nn.Linear | Int8Linear) -> None:
         self.head = head
-        self.graph = torch.compile(  # type: ignore[call-overload]  # torch 2.13's stubs lack recompile_limit
+        self.graph = compile_region(
             one_row_int8_product if self.int8 else one_row_product,
             fullgraph=True, dynamic=False, recompile_limit=HEAD_GRAPHS,
             options={"cpp_wrapper": True})  # its C++ entry releases the GIL: blocks run side by side

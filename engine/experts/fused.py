@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moetray.engine.compiling import compile_region
 from moetray.engine.experts.hf import ExpertsModule
 from moetray.engine.experts.int8 import Int8Layout
 from moetray.engine.experts.store import ExpertGeometry, unpack_row
@@ -142,8 +143,8 @@ int8 or float rows, family gate, layout and batch class (1, then symbolic). A pr
 model needs about 4; a process serving several (the benches, the test suite) meets more, and at
 the limit ``fullgraph=True`` makes compilation fail, so the grouped GEMMs would serve. A limit of
 this region's own: the global one is not reliably left as set (the full test suite saw it at 8)."""
-_compiled = torch.compile(  # type: ignore[call-overload]  # torch 2.13's stubs lack recompile_limit
-    _experts, fullgraph=True, recompile_limit=KERNEL_GRAPHS, options={"cpp.threads": 1})
+_compiled = compile_region(_experts, fullgraph=True, recompile_limit=KERNEL_GRAPHS,
+                           options={"cpp.threads": 1})
 """One thread, no OpenMP region to wake: the kernel serves decode steps, which run on one intra-op
 thread where it serves (:mod:`moetray.policy.step_threads`)."""
 

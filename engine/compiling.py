@@ -1,0 +1,28 @@
+"""``torch.compile`` for a region with a recompile limit of its own, on the torch versions users have.
+
+The project pins torch 2.13 (this machine kind's CPU build), but a CUDA machine brings its own torch:
+``torch.compile`` takes ``recompile_limit`` from 2.12 on, and an older one refuses the keyword. There
+the region shares dynamo's global limit, raised to the region's if lower (never lowered: other regions
+count on it).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+TAKES_REGION_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
+"""Whether this torch's ``torch.compile`` takes a region's own ``recompile_limit``."""
+
+
+def compile_region(fn: Callable[..., Any], *, recompile_limit: int, **options: Any) -> Callable[..., Any]:
+    """``torch.compile(fn, **options)`` whose graphs are limited to ``recompile_limit`` per code object."""
+    if TAKES_REGION_LIMIT:
+        return torch.compile(fn, recompile_limit=recompile_limit, **options)  # type: ignore[call-overload]
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, recompile_limit)
+    return torch.compile(fn, **options)
