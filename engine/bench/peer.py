@@ -8,6 +8,14 @@ concurrency 1 and 4: decode tok/s per request (tokens after the first / time aft
 aggregate tok/s, TTFT, and each process's RSS. llama-cpp-python's ``Llama`` decodes one sequence
 at a time, so its concurrent requests queue behind one another: its concurrency-4 figures show that.
 
+``--llama-server BIN`` runs llama.cpp's own OpenAI server instead (a CUDA build on a GPU), driven by
+the same client as moetray, one slot per concurrent request (it batches them). On a GPU,
+``--device cuda`` serves moetray there too, each server's device memory is read from NVML, and
+``--offload CAPACITY:N`` adds rows with experts off the GPU: moetray's expert cache at that capacity
+against llama.cpp's ``--n-cpu-moe N`` (the first N layers' experts kept and computed on the CPU).
+``--twin DIR`` serves a seeded random-weight model of DIR's config and tokenizer where the demo
+cannot be built (``bench/gpu/run.sh``: a lent GPU takes 64 MiB of files).
+
 The receipt states the RSS goal (issue 15: moetray's RSS ≤ :data:`RSS_GOAL_RATIO` × llama.cpp's
 for the same file) per file, both RSS read once both servers have served every request;
 :func:`rss_goal_from_receipt` reads it back for ``bench decode``, whose engines share its process.
