@@ -7,7 +7,15 @@
 #   .devcarry/   demo-shape/ (the demo's config and tokenizer: the model itself is built on the
 #                machine as a seeded random-weight twin), llama-server.xz (llama.cpp built for
 #                sm_90 from llama-cpp-python 0.3.36's vendored source) and lib/ (its libgomp)
-# Receipts land in $OUT (MOETRAY_BENCH_DIR): peer-cuda.json, engine-cuda.json, bw-cuda.json.
+# llama-server was built on the 2-core CPU box (no GPU, ~25 min) with nvcc 13.0, the cuBLAS headers and
+# libraries of PyPI's nvidia-cublas 13.10 wheel and a stub libcuda.so (the 11 driver symbols ggml's VMM
+# pool links; the machine's driver serves them at run time):
+#   cmake -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+#     -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON \
+#     -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+#   && ninja -C build-cuda llama-server && strip build-cuda/bin/llama-server && xz -6 (53 MB -> 27 MB)
+# Receipts land in $OUT (MOETRAY_BENCH_DIR): peer-cuda.json, engine-cuda.json, bw-cuda.json;
+# bench/gpu/profile_step.py profiles a served decode step on the same machine.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MOETRAY_BENCH_DIR="$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
