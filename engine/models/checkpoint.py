@@ -190,12 +190,13 @@ def resolve_device(spec: str) -> torch.device:
 def serving_format(spec: str, info: CheckpointInfo, device: torch.device):
     """The format ``--dtype spec`` serves this checkpoint in on ``device``
     (:func:`moetray.engine.models.precision.resolve_format`; ``auto``: the checkpoint's 16-bit
-    dtype where the device computes it, else float32 on the CPU). A GGUF file names no dtype of
-    its own (its experts decode per fill): float32 on the CPU, bfloat16 on a GPU."""
+    dtype where the device computes it, else float32 on the CPU). A GGUF file of plain floats names
+    its dtype by its matrices' type (:attr:`~moetray.engine.models.gguf.GgufCheckpoint.float_dtype`);
+    a quantized one names none: float32 on the CPU, bfloat16 on a GPU."""
     from moetray.engine.models.precision import resolve_format
 
     if info.format == "gguf":
-        return resolve_format(spec, None, device)
+        return resolve_format(spec, None, device, named_dtype=info.gguf.float_dtype)
     return resolve_format(spec, info.path, device)
 
 
