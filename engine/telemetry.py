@@ -172,34 +172,34 @@ def device_memory(device, budget, footprint: Footprint | None) -> dict[str, obje
     }
 
 
-def nvml_process_bytes(index: int, pid: int) -> int | None:
-    """Device memory of process ``pid`` on GPU ``index`` as NVML sees it, or ``None`` where NVML cannot
-    say (no NVIDIA driver, or a container that hides other processes)."""
+def _nvml(index: int, read: Callable[[Any, Any], int | None]) -> int | None:
+    """``read(pynvml, handle of GPU index)`` between NVML's init and shutdown; ``None`` where NVML
+    cannot answer (no NVIDIA driver, no such GPU)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid == pid and proc.usedGpuMemory is not None:
-                    return int(proc.usedGpuMemory)
-            return None
+            return read(pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
         finally:
             pynvml.nvmlShutdown()
     except Exception:
         return None
+
+
+def nvml_process_bytes(index: int, pid: int) -> int | None:
+    """Device memory of process ``pid`` on GPU ``index`` as NVML sees it, or ``None`` where NVML cannot
+    say (no NVIDIA driver, or a container that hides other processes)."""
+
+    def read(nvml: Any, handle: Any) -> int | None:
+        for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == pid and proc.usedGpuMemory is not None:
+                return int(proc.usedGpuMemory)
+        return None
+
+    return _nvml(index, read)
 
 
 def nvml_used_bytes(index: int) -> int | None:
     """Device memory in use on GPU ``index`` by every process together (NVML), or ``None`` without NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
+    return _nvml(index, lambda nvml, handle: int(nvml.nvmlDeviceGetMemoryInfo(handle).used))

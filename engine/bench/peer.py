@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,11 +199,31 @@ def _footprint(pid: int, before: int | None) -> dict[str, Any]:
     }
 
 
+def _measure(name: str, cmd: list[str], port: int, env: dict[str, str], ready: Callable[[Any], bool],
+             args: argparse.Namespace,
+             after: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One server child from start to stop: ready, driven (:func:`_drive`), its footprint read, then
+    ``after(url)``'s extra fields; its log goes to a folder of its own."""
+    from moetray.engine.telemetry import nvml_used_bytes
+
+    log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / f"{name.replace(' ', '-')}.log"
+    before = nvml_used_bytes(0)
+    child = Child(name, cmd, port, env, log)
+    try:
+        child.wait_ready(ready, args.timeout)
+        out = _drive(child.url, args)
+        out.update(_footprint(child.proc.pid, before))
+        if after is not None:
+            out.update(after(child.url))
+        return out
+    finally:
+        child.stop()
+
+
 def _run_moetray(model: Path, args, capacity: str | None) -> dict[str, Any]:
     import httpx
 
     from moetray.engine.serve import DEFAULT_PORT
-    from moetray.engine.telemetry import nvml_used_bytes
 
     port = args.port or DEFAULT_PORT + 7
     env = {**os.environ, "MOETRAY_ADMIN_TOKEN": "bench-peer", "OMP_NUM_THREADS": str(args.threads)}
@@ -216,28 +237,19 @@ def _run_moetray(model: Path, args, capacity: str | None) -> dict[str, Any]:
         cmd += ["--dtype", args.dtype]
     if args.kv_tokens:
         cmd += ["--kv-tokens", str(args.kv_tokens)]
-    log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / "moetray.log"
-    before = nvml_used_bytes(0)
-    child = Child("moetray serve", cmd, port, env, log)
-    url = child.url
-    try:
-        child.wait_ready(engine_serving, args.timeout)
-        out = _drive(url, args)
-        out.update(_footprint(child.proc.pid, before))
+
+    def served(url: str) -> dict[str, Any]:
         status = httpx.get(f"{url}/admin/status", headers={"Authorization": "Bearer bench-peer"}).json()
-        out["expert_store_format"] = status["experts"]["expert_store_format"]
-        out["dtype"] = (status.get("model") or {}).get("dtype")
-        out["moe_slots"] = status["pools"]["moe_slots"]
-        return out
-    finally:
-        child.stop()
+        return {"expert_store_format": status["experts"]["expert_store_format"],
+                "dtype": (status.get("model") or {}).get("dtype"), "moe_slots": status["pools"]["moe_slots"]}
+
+    return _measure("moetray serve", cmd, port, env, engine_serving, args, after=served)
 
 
 def _run_llama_server(model: Path, args, n_cpu_moe: int | None) -> dict[str, Any]:
     """llama.cpp's own OpenAI server (``--llama-server``) on ``model``, driven like moetray: one slot per
     request of the largest concurrency (it batches them), the same context as moetray's KV pool."""
     from moetray.engine.bench.serve import free_port
-    from moetray.engine.telemetry import nvml_used_bytes
 
     port = free_port()
     cmd = [
@@ -247,16 +259,7 @@ def _run_llama_server(model: Path, args, n_cpu_moe: int | None) -> dict[str, Any
     ]
     if n_cpu_moe is not None:
         cmd += ["--n-cpu-moe", str(n_cpu_moe)]
-    log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / "llama-server.log"
-    before = nvml_used_bytes(0)
-    child = Child("llama-server", cmd, port, peer_env(), log)
-    try:
-        child.wait_ready(lambda r: r.status_code == 200, args.timeout)
-        out = _drive(child.url, args)
-        out.update(_footprint(child.proc.pid, before))
-        return out
-    finally:
-        child.stop()
+    return _measure("llama-server", cmd, port, peer_env(), lambda r: r.status_code == 200, args)
 
 
 def rss_goal(moetray_rss: int, llama_rss: int, dtype: str | None) -> dict[str, Any]:

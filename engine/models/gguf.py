@@ -63,8 +63,6 @@ ARCHITECTURES = {
 }
 GPT_OSS_SWIGLU: dict[str, Any] = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}  # config keyword arguments
 """gpt-oss's clamped SwiGLU as llama.cpp computes it: constants of its graph, not metadata."""
-FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16"}
-"""GGUF's 16-bit float tensor types by the dtype names configs and ``--dtype`` use."""
 MAPPED = "qwen2moe, qwen3moe, qwen35moe, gpt-oss, llama/Mixtral"
 DENSE_FAMILIES = {"qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral", "falcon"}
 
@@ -93,13 +91,17 @@ class GgufCheckpoint:
         its matrices are F16 (the F32 ones aside: converters keep routers F32 in any file), likewise
         ``"bfloat16"``, ``"float32"`` where every one is F32; None where any is quantized (its values
         have no exact 16-bit form)."""
-        from moetray.engine.experts.codecs import ggml_type_name
+        import torch
 
-        types = {ggml_type_name(t.ggml_type) for t in self.tensors.values() if len(t.shape) >= 2}
-        narrow = types - {"F32"}
-        if not narrow:
-            return "float32" if types else None
-        return FLOAT_DTYPES.get(narrow.pop()) if len(narrow) == 1 else None
+        from moetray.engine.experts.codecs import PLAIN_TYPES
+
+        types = {t.ggml_type for t in self.tensors.values() if len(t.shape) >= 2}
+        if not types or not types <= PLAIN_TYPES.keys():
+            return None
+        narrow = {PLAIN_TYPES[t] for t in types} - {torch.float32}
+        if len(narrow) > 1:
+            return None
+        return str(narrow.pop() if narrow else torch.float32).removeprefix("torch.")
 
 
 def _header(path: Path) -> GgufHeader:

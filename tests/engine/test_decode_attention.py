@@ -27,7 +27,7 @@ def test_cuda_turns_cudnn_attention_off_and_the_cpu_leaves_it(cudnn_restored):
 
 
 class _Stop(Exception):
-    pass
+    """Ends a load at the rule, before any weight is read."""
 
 
 def test_loading_applies_the_rule_to_the_device_it_resolved(tiny_moe, monkeypatch):
