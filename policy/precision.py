@@ -10,12 +10,19 @@ default) picks, without ever rounding the checkpoint's own weights:
   AMX-FP16, or Arm's half-precision arithmetic), else float32: widening is exact, and a CPU
   without the instructions emulates 16-bit arithmetic slower than float32 (float16 matrix
   products of more than one row on an AVX512-BF16 CPU run 10-100× slower than bfloat16's);
-- float32 for a float32 checkpoint (the token-identity reference every exact path meets).
+- float32 for a float32 checkpoint (the token-identity reference every exact path meets);
+- a quantized file (GGUF Q8_0, Q4_K, …) on a CPU that computes bfloat16: its values are already
+  rounded, and float32 would read four bytes a weight where the file stores one or less (the demo's
+  Q8_0 file decoded at 19 tok/s in float32 against llama.cpp's 116). A file whose every quantized
+  matrix is Q8_0 serves as ``int8`` (below; the per-channel step adds at most one half-step of
+  rounding to the file's per-block one), any other one in bfloat16 (its experts decoded per slot).
+  Without bfloat16 arithmetic, float32: both kernels need bfloat16 activations to be fast.
 
 An explicit ``--dtype`` is served as asked: ``float32``, ``bfloat16``, ``float16``, or
 ``int8`` (every weight but the embedding table rounded to int8 per output channel, experts
 included, computed by torch's weight-only int8 kernel on bfloat16 activations: lossy, never
-chosen by ``auto``, CPU only; from a GGUF file, only Q8_0 experts are re-rounded to it). Pure:
+chosen by ``auto`` but for a Q8_0 file, CPU only; from a GGUF file, only Q8_0 experts are re-rounded
+to it). Pure:
 CPU features are passed in.
 """
 
@@ -61,11 +68,13 @@ def native_16bit(cpu_features: frozenset[str]) -> tuple[str, ...]:
 
 
 def choose_format(requested: str, *, device_kind: str, checkpoint_dtype: str | None,
-                  cpu_features: frozenset[str]) -> ServingFormat:
+                  cpu_features: frozenset[str], quantized: str | None = None) -> ServingFormat:
     """Decides the serving format (see the module docstring); pure, mutates nothing.
 
     ``checkpoint_dtype`` is the config's ``dtype``/``torch_dtype`` (None when it names
-    none). Refuses with :class:`FormatRefused` (an unknown ``requested``; int8 off the CPU).
+    none); ``quantized`` the block types a quantized file stores its matrices in, ``+``-joined
+    (``"Q8_0"``, ``"Q4_K+Q6_K"``; None for plain floats). Refuses with :class:`FormatRefused`
+    (an unknown ``requested``; int8 off the CPU).
     """
     if requested not in FORMATS:
         raise FormatRefused("unknown_dtype", f"unknown dtype {requested!r}; one of {', '.join(FORMATS)}")
@@ -80,6 +89,8 @@ def choose_format(requested: str, *, device_kind: str, checkpoint_dtype: str | N
         whose = "the checkpoint's " if chosen else ""
         chosen = chosen or "bfloat16"
         return ServingFormat(chosen, chosen, f"auto: {whose}{chosen} on {device_kind}")
+    if quantized is not None:
+        return _quantized_on_cpu(quantized, cpu_features)
     sixteen = checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else None
     if sixteen is None:
         named = checkpoint_dtype or "unspecified"
@@ -92,3 +103,16 @@ def choose_format(requested: str, *, device_kind: str, checkpoint_dtype: str | N
     return ServingFormat("float32", "float32",
                          f"auto: the checkpoint is {sixteen} but this CPU has no {sixteen} arithmetic; "
                          "float32 (exact widening)")
+
+
+def _quantized_on_cpu(quantized: str, cpu_features: frozenset[str]) -> ServingFormat:
+    """``auto`` for a quantized file on a CPU (see the module docstring)."""
+    if "bfloat16" not in native_16bit(cpu_features):
+        return ServingFormat("float32", "float32", f"auto: a {quantized} file on a CPU without bfloat16 "
+                                                   "arithmetic; float32")
+    flags = ", ".join(sorted(cpu_features & BF16_FEATURES))
+    if quantized == "Q8_0":
+        return ServingFormat("bfloat16", "int8", f"auto: a Q8_0 file: weight-only int8 on bfloat16 "
+                                                 f"activations ({flags})")
+    return ServingFormat("bfloat16", "bfloat16", f"auto: a {quantized} file: bfloat16, its experts decoded "
+                                                 f"per slot ({flags})")

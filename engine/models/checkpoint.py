@@ -192,11 +192,13 @@ def serving_format(spec: str, info: CheckpointInfo, device: torch.device):
     (:func:`moetray.engine.models.precision.resolve_format`; ``auto``: the checkpoint's 16-bit
     dtype where the device computes it, else float32 on the CPU). A GGUF file of plain floats names
     its dtype by its matrices' type (:attr:`~moetray.engine.models.gguf.GgufCheckpoint.float_dtype`);
-    a quantized one names none: float32 on the CPU, bfloat16 on a GPU."""
+    a quantized one its block types (:attr:`~moetray.engine.models.gguf.GgufCheckpoint.quantization`):
+    int8 or bfloat16 on a CPU that computes bfloat16, else float32; bfloat16 on a GPU."""
     from moetray.engine.models.precision import resolve_format
 
     if info.format == "gguf":
-        return resolve_format(spec, None, device, named_dtype=info.gguf.float_dtype)
+        gguf = info.gguf
+        return resolve_format(spec, None, device, named_dtype=gguf.float_dtype, quantized=gguf.quantization)
     return resolve_format(spec, info.path, device)
 
 

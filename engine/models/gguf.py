@@ -103,6 +103,15 @@ class GgufCheckpoint:
             return None
         return str(narrow.pop() if narrow else torch.float32).removeprefix("torch.")
 
+    @property
+    def quantization(self) -> str | None:
+        """The block types the file's quantized matrices are stored in, ``+``-joined and sorted
+        (``"Q8_0"``, ``"Q4_K+Q6_K"``); None for a file of plain floats."""
+        from moetray.engine.experts.codecs import PLAIN_TYPES, ggml_type_name
+
+        types = {t.ggml_type for t in self.tensors.values() if len(t.shape) >= 2} - PLAIN_TYPES.keys()
+        return "+".join(sorted(ggml_type_name(t) for t in types)) or None
+
 
 def _header(path: Path) -> GgufHeader:
     try:

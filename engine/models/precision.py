@@ -61,13 +61,15 @@ def checkpoint_dtype(path: Path) -> str | None:
 
 
 def resolve_format(spec: str, checkpoint: Path | None, device: torch.device,
-                   named_dtype: str | None = None) -> ServingFormat:
+                   named_dtype: str | None = None, quantized: str | None = None) -> ServingFormat:
     """The format to serve ``checkpoint`` in on ``device`` (``spec`` is ``--dtype``); refuses an
     unusable spec with :class:`moetray.policy.precision.FormatRefused`. ``named_dtype`` stands in
-    for the config's dtype where the checkpoint is not a config folder (a GGUF file)."""
+    for the config's dtype where the checkpoint is not a config folder (a GGUF file), and
+    ``quantized`` names a quantized file's block types (``choose_format``'s)."""
     named = named_dtype if named_dtype is not None else (checkpoint_dtype(checkpoint) if checkpoint else None)
     chosen = choose_format(spec, device_kind=device.type, checkpoint_dtype=named,
-                           cpu_features=cpu_features() if device.type == "cpu" else frozenset())
+                           cpu_features=cpu_features() if device.type == "cpu" else frozenset(),
+                           quantized=quantized)
     log.info("serving format: %s weights, %s compute (%s; %s)", chosen.weights, chosen.compute,
              chosen.reason, platform.machine())
     return chosen

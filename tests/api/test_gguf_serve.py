@@ -19,6 +19,8 @@ from engine_harness import ADMIN, LiveEngine
 from test_serve_cli import child_env, free_port
 
 from moetray.engine.models.gguf_export import export_gguf
+from moetray.engine.models.precision import cpu_features
+from moetray.policy.precision import native_16bit
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,8 @@ def _serve_cmd(model: str, port: int, tmp_path: Path) -> list[str]:
         "50%",
         "--outbox-dir",
         str(tmp_path / "out"),
+        "--dtype",  # the file's own Q8_0 blocks in the store (auto would re-round them to int8)
+        "float32",
     ]
 
 
@@ -137,7 +141,12 @@ def test_serve_refuses_a_name_whose_blob_is_gone(tmp_path):
 
 
 def test_a_live_engine_over_a_gguf_serves_openai_routes_with_experts_offloaded(tiny_gguf, tmp_path):
+    """``--dtype auto`` on a Q8_0 file: weight-only int8 on bfloat16 activations where the CPU computes
+    bfloat16 (the experts' blocks re-rounded per channel, about a byte a weight as in the file), else
+    float32 with the blocks decoded per slot. Prevents: a quantized file served in float32, four bytes
+    a weight, on a CPU that has the int8 kernel's arithmetic."""
     engine = LiveEngine(tiny_gguf, tmp_path, moe_capacity=8)
+    int8 = "bfloat16" in native_16bit(cpu_features())
     try:
         with engine.client() as client:
             body = {"model": "default", "prompt": "Hello", "max_tokens": 6, "temperature": 0}
@@ -145,7 +154,10 @@ def test_a_live_engine_over_a_gguf_serves_openai_routes_with_experts_offloaded(t
             assert reply.status_code == 200, reply.text
             status = client.get("/admin/status", headers=ADMIN).json()
         assert status["pools"]["moe_slots"] == 8
-        assert status["experts"]["total_misses"] > 0 and status["experts"]["expert_store_format"] == "Q8_0"
+        served = status["model"]
+        assert (served["weights"], served["dtype"]) == (("int8", "bfloat16") if int8 else ("float32", "float32"))
+        assert status["experts"]["total_misses"] > 0
+        assert status["experts"]["expert_store_format"] == ("INT8" if int8 else "Q8_0")
         assert status["model"]["architecture"] == "Qwen3MoeForCausalLM"
         engine.engine.pools.runtime.check_integrity(deep=True)
     finally:
@@ -172,7 +184,7 @@ def test_a_live_engine_serves_a_qwen35moe_gguf_through_the_hybrid_path(tmp_path)
         out = reference.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
         return tok.decode(out[0, len(prompt) :], skip_special_tokens=True)  # as the engine renders text
 
-    engine = LiveEngine(gguf, tmp_path / "engine", moe_capacity=8)
+    engine = LiveEngine(gguf, tmp_path / "engine", moe_capacity=8, dtype="float32")  # the reference's
     try:
         def complete(prompt: list[int]) -> str:
             body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
