@@ -240,8 +240,11 @@ def _run_moetray(model: Path, args, capacity: str | None) -> dict[str, Any]:
 
     def served(url: str) -> dict[str, Any]:
         status = httpx.get(f"{url}/admin/status", headers={"Authorization": "Bearer bench-peer"}).json()
+        model = status.get("model") or {}
+        dtype, weights = model.get("dtype"), model.get("weights")
         return {"expert_store_format": status["experts"]["expert_store_format"],
-                "dtype": (status.get("model") or {}).get("dtype"), "moe_slots": status["pools"]["moe_slots"]}
+                "dtype": dtype if weights in (None, dtype) else f"{weights} weights on {dtype}",
+                "moe_slots": status["pools"]["moe_slots"]}
 
     return _measure("moetray serve", cmd, port, env, engine_serving, args, after=served)
 
