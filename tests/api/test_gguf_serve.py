@@ -155,7 +155,8 @@ def test_a_live_engine_over_a_gguf_serves_openai_routes_with_experts_offloaded(t
             status = client.get("/admin/status", headers=ADMIN).json()
         assert status["pools"]["moe_slots"] == 8
         served = status["model"]
-        assert (served["weights"], served["dtype"]) == (("int8", "bfloat16") if int8 else ("float32", "float32"))
+        expected = ("int8", "bfloat16") if int8 else ("float32", "float32")
+        assert (served["weights"], served["dtype"]) == expected
         assert status["experts"]["total_misses"] > 0
         assert status["experts"]["expert_store_format"] == ("INT8" if int8 else "Q8_0")
         assert status["model"]["architecture"] == "Qwen3MoeForCausalLM"

@@ -17,7 +17,8 @@ from tests.tiny_moe import make_tiny_moe
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf-dtype")
     source = make_tiny_moe(root / "src", "qwen3_moe", hidden=256, expert_inter=256, num_experts=8, top_k=2)
-    files = {q: export_gguf(source, root / f"tiny-{q}.gguf", q)[0] for q in ("F32", "F16", "BF16", "Q8_0", "Q4_K")}
+    files = {q: export_gguf(source, root / f"tiny-{q}.gguf", q)[0]
+             for q in ("F32", "F16", "BF16", "Q8_0", "Q4_K")}
     # A 4-bit file with some matrices wider (Q4_K_M puts some in Q6_K, which gguf-py cannot write).
     files["mixed"] = export_gguf(source, root / "tiny-mixed.gguf",
                                  lambda name: "Q8_0" if name.endswith("ffn_down_exps.weight") else "Q4_K")[0]
@@ -33,8 +34,8 @@ def test_a_file_of_plain_floats_names_its_dtype_and_a_quantized_one_none(files, 
     assert loader.inspect_checkpoint(files[qtype]).gguf.float_dtype == named
 
 
-@pytest.mark.parametrize(("qtype", "types"), [("F32", None), ("BF16", None), ("Q8_0", "Q8_0"), ("Q4_K", "Q4_K"),
-                                              ("mixed", "Q4_K+Q8_0")])
+@pytest.mark.parametrize(("qtype", "types"), [("F32", None), ("BF16", None), ("Q8_0", "Q8_0"),
+                                              ("Q4_K", "Q4_K"), ("mixed", "Q4_K+Q8_0")])
 def test_a_quantized_file_names_its_block_types(files, qtype, types):
     assert loader.inspect_checkpoint(files[qtype]).gguf.quantization == types
 
@@ -48,7 +49,8 @@ def test_auto_serves_a_gguf_in_its_own_16_bit_dtype_where_the_cpu_computes_it(fi
     assert (fmt.weights, fmt.compute) == (expected, expected)
 
 
-@pytest.mark.parametrize(("qtype", "weights"), [("Q8_0", "int8"), ("Q4_K", "bfloat16"), ("mixed", "bfloat16")])
+@pytest.mark.parametrize(("qtype", "weights"),
+                         [("Q8_0", "int8"), ("Q4_K", "bfloat16"), ("mixed", "bfloat16")])
 def test_auto_serves_a_quantized_gguf_in_few_bytes_where_the_cpu_computes_bfloat16(files, qtype, weights):
     """The checkpoint's block types reach the rule (``serving_format`` → ``choose_format``'s
     ``quantized``). Prevents: a Q8_0 or Q4_K file decoded to float32 (4 bytes a weight) on a CPU with

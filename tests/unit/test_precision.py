@@ -100,13 +100,15 @@ def test_a_q8_0_file_on_a_bf16_cpu_serves_weight_only_int8():
 @pytest.mark.parametrize("quantized", ["Q4_K", "Q4_K+Q6_K", "Q8_0+Q4_0", "MXFP4"])
 def test_another_quantized_file_on_a_bf16_cpu_serves_bfloat16(quantized):
     # int8 would read more bytes than 4-6 bit experts (they stay decoded per slot, in bfloat16).
-    got = choose_format("auto", device_kind="cpu", checkpoint_dtype=None, cpu_features=ZEN4, quantized=quantized)
+    got = choose_format("auto", device_kind="cpu", checkpoint_dtype=None, cpu_features=ZEN4,
+                        quantized=quantized)
     assert (got.compute, got.weights) == ("bfloat16", "bfloat16")
 
 
 @pytest.mark.parametrize("quantized", ["Q8_0", "Q4_K"])
 def test_a_quantized_file_without_bf16_arithmetic_serves_float32(quantized):
-    got = choose_format("auto", device_kind="cpu", checkpoint_dtype=None, cpu_features=OLD_X86, quantized=quantized)
+    got = choose_format("auto", device_kind="cpu", checkpoint_dtype=None, cpu_features=OLD_X86,
+                        quantized=quantized)
     assert (got.compute, got.weights) == ("float32", "float32")
 
 
