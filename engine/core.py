@@ -79,6 +79,7 @@ class EngineOptions:
     accept_any_model: bool = False  # accept any "model" name (clients that hard-code one)
     test_hooks: bool = False
     test_step_delay_s: float = 0.0  # test hook: every batch step sleeps this long (needs test_hooks)
+    test_load_delay_s: float = 0.0  # test hook: loading holds this long once the config is read (test_hooks)
     instance_id: str | None = None
 
 

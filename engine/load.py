@@ -16,6 +16,7 @@ May import torch, ``moetray.engine.models``, ``moetray.engine.demo``, ``moetray.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +130,8 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         model_dir = ensure_demo_model(progress)
     progress("reading config", 0, None)
     info = loader.inspect_checkpoint(model_dir)
+    if opts.test_hooks and opts.test_load_delay_s > 0:  # a load long enough to be seen loading
+        time.sleep(opts.test_load_delay_s)
     prefix_policy = choose_prefix_policy(opts.prefix_policy, info.config)
     device = loader.resolve_device(opts.device)
     keep_decode_attention_planless(device)

@@ -172,6 +172,12 @@ def parser() -> argparse.ArgumentParser:
         help="with --test-hooks: hold every batch step this long (tests only)",
     )
     p.add_argument(
+        "--test-load-delay-ms",
+        type=float,
+        default=0.0,
+        help="with --test-hooks: hold the load this long once the config is read (tests only)",
+    )
+    p.add_argument(
         "--no-compile",
         action="store_true",
         help="compute a decode step's experts with the grouped GEMMs, not the compiled kernel "
@@ -222,6 +228,7 @@ def options_from(args: argparse.Namespace) -> EngineOptions:
         accept_any_model=args.accept_any_model,
         test_hooks=args.test_hooks,
         test_step_delay_s=args.test_step_delay_ms / 1000.0,
+        test_load_delay_s=args.test_load_delay_ms / 1000.0,
     )
 
 

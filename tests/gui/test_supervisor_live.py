@@ -107,6 +107,9 @@ def test_quit_takes_the_stop_receipt_then_ends_the_engine(supervised, tiny_model
     app, sup = supervised, supervised.supervisor
     healths: list[dict] = []
     sup.health.connect(healths.append)
+    # The tiny model loads faster than /health is probed (0.5 s) on a quiet machine: the load is held
+    # for several probes, so the loading state is seen whatever the machine's speed.
+    app.settings.engine_args = [*SMALL_POOLS, "--test-hooks", "--test-load-delay-ms", "3000"]
     pid = _serve(app, qtbot, tiny_model)
     assert app.settings.last_model == str(tiny_model)  # served, so remembered
     assert app.settings.recent_models == [str(tiny_model)]
