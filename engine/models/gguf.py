@@ -86,6 +86,11 @@ class GgufCheckpoint:
         return sum(f.stat().st_size for f in self.files)
 
     @property
+    def matrix_types(self) -> frozenset[int]:
+        """The ggml types of the file's matrices (its tensors of two dimensions or more)."""
+        return frozenset(t.ggml_type for t in self.tensors.values() if len(t.shape) >= 2)
+
+    @property
     def float_dtype(self) -> str | None:
         """The dtype a file of plain floats names, as a config's ``dtype`` does: ``"float16"`` where
         its matrices are F16 (the F32 ones aside: converters keep routers F32 in any file), likewise
@@ -95,7 +100,7 @@ class GgufCheckpoint:
 
         from moetray.engine.experts.codecs import PLAIN_TYPES
 
-        types = {t.ggml_type for t in self.tensors.values() if len(t.shape) >= 2}
+        types = self.matrix_types
         if not types or not types <= PLAIN_TYPES.keys():
             return None
         narrow = {PLAIN_TYPES[t] for t in types} - {torch.float32}
@@ -109,8 +114,7 @@ class GgufCheckpoint:
         (``"Q8_0"``, ``"Q4_K+Q6_K"``); None for a file of plain floats."""
         from moetray.engine.experts.codecs import PLAIN_TYPES, ggml_type_name
 
-        types = {t.ggml_type for t in self.tensors.values() if len(t.shape) >= 2} - PLAIN_TYPES.keys()
-        return "+".join(sorted(ggml_type_name(t) for t in types)) or None
+        return "+".join(sorted(ggml_type_name(t) for t in self.matrix_types - PLAIN_TYPES.keys())) or None
 
 
 def _header(path: Path) -> GgufHeader:
