@@ -18,6 +18,14 @@ TAKES_REGION_LIMIT = "recompile_limit" in inspect.signature(torch.compile).param
 """Whether this torch's ``torch.compile`` takes a region's own ``recompile_limit``."""
 
 
+UNCHECKED_WRAPPER = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+"""Inductor options for a region whose every call dynamo's guards admit first: without them the
+generated Python wrapper asserts each input's sizes, strides and alignment, and each opaque
+operator's output against its fake kernel, before it runs a kernel. On the demo's decode step
+(30 layers, ~800 assertions a call) that was ~0.4 ms of a 9.5 ms int8 step (steps of one served
+request, two runs each way: 9.6-11.1 ms a step with them, 9.1-9.2 without)."""
+
+
 def compile_region(fn: Callable[..., Any], *, recompile_limit: int, **options: Any) -> Callable[..., Any]:
     """``torch.compile(fn, **options)`` whose graphs are limited to ``recompile_limit`` per code object."""
     if TAKES_REGION_LIMIT:

@@ -1,9 +1,9 @@
 """What the machine's cores are doing: the load other programs put on them, and whether decode steps
-get the engine's whole thread budget (a team) on it.
+(and short prefills) get the engine's whole thread budget (a team) on it.
 
 The rule is :func:`moetray.policy.step_threads.team_serves_decode`; this room measures its input
 (the kernel's CPU counters, through psutil) and keeps its state (the choice in force) for the
-generation thread, which asks before every decode step.
+generation thread, which asks before every step it would otherwise keep on one thread.
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def usable_cores() -> int:
 
 
 class DecodeTeam:
-    """Whether decode steps run on the whole thread budget now, re-decided on the measured load
-    before each decode step (the latest interval's reading, sampled in the background where a team
-    can form at all); counts the decode steps each way.
+    """Whether decode steps and short prefills run on the whole thread budget now, re-decided on
+    the measured load before each (the latest interval's reading, sampled in the background where a
+    team can form at all); counts the steps each way.
 
     ``spinning`` defaults to what libgomp read from this process's environment at start (the
     engine's ``serve`` sets it before torch loads); ``load`` to :class:`OthersLoad`."""

@@ -225,6 +225,7 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         one_thread_small_steps=runtime.fused is not None,  # a lossy format on the compiled kernel
         thread_budget=torch.get_num_threads(),
     )
+    runtime.share_threads = settings.thread_budget or 1  # a one-thread prefill's groups take the budget
     pools = Pools(loaded.model, runtime, budget, measured, settings, trained_context=info.context_length)
     pools.open(sizes, progress)  # freezes the long-lived objects out of the cyclic GC
     # Loading freed what it only needed on the way (dequantized and full-precision copies of the

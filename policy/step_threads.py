@@ -1,5 +1,5 @@
 """How many intra-op threads one batch step runs on: a small step on one, a large one on all, and
-decode steps on all while the cores are the engine's alone.
+every step on all while the cores are the engine's alone.
 
 Numbers in, decision out. An OpenMP team's parallel region wakes its workers; under a passive wait
 that is a futex wake of a sleeping core, ~60-80 µs a product on this 2-core machine, so a product
@@ -16,13 +16,17 @@ machine, batch 1 +20 % tok/s (60.2 -> 72.6), batch 4 +19 % (103.7 -> 123.8 aggre
 cores are the other programs' loss, and theirs is the team's: with one busy program beside it a
 decode team running a ~1 ms spin fell to 7.1 tok/s against one thread's 54.6. So decode steps take
 the team only while the other programs leave the budget's cores free
-(:func:`team_serves_decode`), re-decided on measured load; prefills keep the rule above (a chat
-prompt's first token came no sooner on a spinning team: 120-134 ms against 114 on one thread).
-Measured with the rule, interleaved against the one-thread build: quiet, bfloat16 batch 1 +9-16 %,
-batch 4 +7-11 %, int8 batch 4 +13 % (int8 batch 1 gained nothing: 75.5 tok/s either way in one run,
-69.9 against 75.5 in another); beside one busy program every decode step stayed on one thread and
-the engine decoded as the one-thread build did (53 against 52 tok/s at batch 1, 84 against 84
-aggregate at batch 4).
+(:func:`team_serves_decode`), re-decided on measured load; so do short prefills, whose expert
+groups go to one-thread helpers meanwhile (``engine/experts/grouped.py``): a 42-token chat
+prompt's prefill on the demo, 2 cores, spinning team against one thread (helpers either way),
+int8 79-84 ms against 93-96, bfloat16 67-71 against 70-76. (Before the helpers took the prefill's
+expert groups, one thread answered first: 114 ms against a team's 120-134.)
+
+Measured with the decode steps' rule, interleaved against the one-thread build: quiet, bfloat16
+batch 1 +9-16 %, batch 4 +7-11 %, int8 batch 4 +13 % (int8 batch 1 gained nothing: 75.5 tok/s either
+way in one run, 69.9 against 75.5 in another); beside one busy program every decode step stayed on
+one thread and the engine decoded as the one-thread build did (53 against 52 tok/s at batch 1, 84
+against 84 aggregate at batch 4).
 
 Only lossy formats take these rules (the engine asks for them when the compiled decode kernel
 serves): float32 keeps its thread count, so its GEMMs split as they always have (the
@@ -52,13 +56,13 @@ def one_thread_tokens(hidden_size: int) -> int:
     return max(DECODE_STEP_TOKENS, ONE_THREAD_MAX_MACS // hidden_size**2)
 
 
-def step_threads(query_tokens: int, budget: int, *, one_thread_up_to: int, team_decodes: bool = False) -> int:
+def step_threads(query_tokens: int, budget: int, *, one_thread_up_to: int, on_team: bool = False) -> int:
     """Intra-op threads for a step of ``query_tokens`` tokens, of a ``budget`` of threads: the
-    budget for a decode step while ``team_decodes`` (:func:`team_serves_decode`), else one up to
+    budget while steps are ``on_team`` (:func:`team_serves_decode`), else one up to
     ``one_thread_up_to`` tokens (:func:`one_thread_tokens`; 0 where the rule does not apply)."""
     if budget < 1:
         raise ValueError(f"a thread budget is at least 1, got {budget}")
-    if team_decodes and query_tokens <= DECODE_STEP_TOKENS:
+    if on_team:
         return budget
     return 1 if query_tokens <= one_thread_up_to else budget
 

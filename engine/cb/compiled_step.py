@@ -41,7 +41,7 @@ from moetray.engine.cb.one_row import (
     install_one_row_products,
 )
 from moetray.engine.cb.state import StateGeometry
-from moetray.engine.compiling import compile_region
+from moetray.engine.compiling import UNCHECKED_WRAPPER, compile_region
 from moetray.policy.step_threads import step_threads
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class CompiledDecodeStep:
         # Sizes turn symbolic as they vary; a few graphs per thread count (the limit is this region's).
         self.graph = compile_region(
             _own_code(self.eager), fullgraph=True, recompile_limit=STEP_GRAPHS,
-            options={"guard_filter_fn": self._filter_guards})
+            options={"guard_filter_fn": self._filter_guards, **UNCHECKED_WRAPPER})
         self.reason: str | None = None  # why steps run eagerly; None while the graph serves
         self.compiled_steps = 0
         self.eager_steps = 0
@@ -213,7 +213,7 @@ class CompiledDecodeStep:
         if self.head is not None:
             self.head.warm_up(thread_budget)
         counts = sorted({step_threads(tokens, thread_budget, one_thread_up_to=one_thread_up_to,
-                                      team_decodes=on_team)
+                                      on_team=on_team)
                          for tokens, _ in WARM_UP_STEPS for on_team in {False, team}})
         try:
             with torch.no_grad():

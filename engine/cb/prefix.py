@@ -27,7 +27,7 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 from moetray.policy.anchor import AnchorRetention, AnchorState
 from moetray.policy.radix import RadixCache
 from moetray.policy.refused import Refused
-from moetray.policy.step_threads import DECODE_STEP_TOKENS, step_threads
+from moetray.policy.step_threads import step_threads
 
 if TYPE_CHECKING:
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -397,13 +397,14 @@ class SchedulerHooks:
 
     def step_scheduled(self, query_tokens: int) -> None:
         """Run the step on the threads :func:`~moetray.policy.step_threads.step_threads` gives it
-        (set on the generation thread, only when the count changes): a decode step asks the
-        runner's ``decode_team`` whether the load lets it on the whole budget. Recorded as the
+        (set on the generation thread, only when the count changes): a step it would keep on one
+        thread (a decode step, a short prefill) asks the runner's ``decode_team`` whether the load
+        lets it on the whole budget. Recorded as the
         runner's ``step_threads``."""
         team = self._runner.decode_team
-        team_decodes = team is not None and query_tokens <= DECODE_STEP_TOKENS and team.decides()
+        on_team = team is not None and query_tokens <= self._runner.one_thread_up_to and team.decides()
         threads = step_threads(query_tokens, self._budget, one_thread_up_to=self._runner.one_thread_up_to,
-                               team_decodes=team_decodes)
+                               on_team=on_team)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         self._runner.step_threads = threads

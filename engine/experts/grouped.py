@@ -4,7 +4,7 @@ The runtime (:mod:`moetray.engine.experts.runtime`) sorts a call's token-expert 
 expert as the stock ``grouped_mm`` path sorts them and hands each projection here as
 ``(first row, end row, weight, bias)`` groups: :func:`project` runs one ``mm`` per group into
 an output laid out as the stock kernel lays it out (:func:`grouped_output`), small groups on
-one intra-op thread each, shared out over the torch thread budget. Torch only; no planning.
+one intra-op thread each, shared out over the engine's thread budget. Torch only; no planning.
 """
 
 from __future__ import annotations
@@ -65,52 +65,58 @@ def _one_thread_group(item: Group, dtype: torch.dtype) -> bool:
     return (hi - lo) * (w.qweight.numel() if type(w) is Int8Weight else w.numel()) <= ONE_THREAD_MAX_MACS
 
 
-def project(out: torch.Tensor, src: torch.Tensor, items: list[Group]) -> None:
+def project(out: torch.Tensor, src: torch.Tensor, items: list[Group], *, share_threads: int = 1) -> bool:
     """One projection of the grouped path: ``out[lo:hi] = src[lo:hi] @ w (+ b)`` for every
     ``(lo, hi, w, b)`` in ``items`` (disjoint row ranges, so any order gives the same tensor).
 
-    With more than one torch thread (on the CPU, gradients off), the small groups
-    (:func:`_one_thread_group`) run on one intra-op thread each: shared out round-robin between
-    this thread and one-thread helpers, up to the thread budget, when there are at least
-    :data:`PARALLEL_MIN_GROUPS` of them, else here; then the larger groups run here at the full
-    budget. In float32 the output is bit-identical to stock ``grouped_mm`` at the budget (checked
-    in the tests). Mutates ``out`` only.
+    Shared over the larger of the step's intra-op threads and ``share_threads`` (the engine's
+    budget: a short prefill off the team runs on one intra-op thread, :mod:`moetray.policy.step_threads`,
+    and its expert groups are what the other cores can take). With more than one (on the CPU,
+    gradients off), the small groups (:func:`_one_thread_group`) run on one intra-op thread each:
+    shared out round-robin between this thread and one-thread helpers, up to that many threads,
+    when there are at least :data:`PARALLEL_MIN_GROUPS` of them, else here; then the larger groups
+    run here at the step's own count. Measured on the demo served as int8 (2 cores, a 42-token chat
+    prompt's prefill on one thread): 103-105 ms without the helper, 93-96 with it. In float32 the
+    output is bit-identical to stock ``grouped_mm`` at the budget (checked in the tests). Mutates
+    ``out`` only; returns whether a helper was handed groups.
     """
-    threads = torch.get_num_threads()
+    threads = max(torch.get_num_threads(), share_threads)
     if torch.is_grad_enabled():
         for lo, hi, w, b in items:
             _gemm_into_autograd(out, lo, hi, src, w, b)
-        return
+        return False
     if threads == 1 or src.device.type != "cpu":
         _gemm_many(out, src, items)
-        return
+        return False
     small: list[Group] = []
     large: list[Group] = []
     for item in items:
         (small if _one_thread_group(item, src.dtype) else large).append(item)
-    if small:
-        _one_thread_each(out, src, small, threads)
+    shared = bool(small) and _one_thread_each(out, src, small, threads)
     if large:
         _gemm_many(out, src, large)
+    return shared
 
 
-def _one_thread_each(out: torch.Tensor, src: torch.Tensor, items: list[Group], threads: int) -> None:
+def _one_thread_each(out: torch.Tensor, src: torch.Tensor, items: list[Group], threads: int) -> bool:
     """``items`` on one intra-op thread each: shared round-robin between this thread and up to
-    ``threads - 1`` helpers (when there are at least :data:`PARALLEL_MIN_GROUPS`); this thread's
-    budget is ``threads`` again on return."""
+    ``threads - 1`` helpers (when there are at least :data:`PARALLEL_MIN_GROUPS`); this thread has
+    its own count back on return. Returns whether helpers took a share."""
     parts = 1
     futures = []
     if len(items) >= PARALLEL_MIN_GROUPS:
         parts = min(threads, len(items) // 2, helper_count() + 1)
         helpers = one_thread_helpers()
         futures = [helpers.submit(_gemm_many, out, src, items[i::parts]) for i in range(1, parts)]
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         _gemm_many(out, src, items[::parts])
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
         for future in futures:
             future.result()
+    return bool(futures)
 
 
 def _gemm_many(out: torch.Tensor, src: torch.Tensor, items: list[Group]) -> None:

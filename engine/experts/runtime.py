@@ -26,9 +26,7 @@ kernels in the same order; only where the weight bytes are read from differs.
   calls PyTorch's grouped-mm kernel makes, minus the empty groups of unrouted experts), then
   gate, routing weights, un-permutation and the sum over top-k as whole-batch ops. Python
   work per call is a handful of ops plus one small call per routed expert and projection.
-  When torch has more than one thread, a batched step's small groups (decode of several
-  requests: one or two rows per expert, each a weight-bandwidth-bound matrix-vector
-  product the BLAS runs on one thread) are shared out over the thread budget.
+  Small groups (a short prefill's, a batched decode's) are shared out over the engine's budget.
 - ``"eager"``: the stock eager loop's op sequence per expert (``linear`` → gate → ``linear``
   → × routing weight → ``index_add_``), ascending ids; for a one-token call the eager loop's
   mask-and-gather reduces to slicing row 0, which selects the same values.
@@ -177,6 +175,8 @@ class ExpertRuntime:
         self.total_bytes = 0
         self.total_tokens = 0
         self.calls = 0
+        self.share_threads = 1  # threads grouped calls share small groups over (the load sets the budget)
+        self.shared_calls = 0  # grouped calls that offered helpers groups
         self.trace: list[tuple[int, tuple[int, ...]]] | None = None
         self.host_residency: list[str | None] = [None] * self.num_layers  # set by the loader
         self._fault: str | None = None
@@ -284,8 +284,8 @@ class ExpertRuntime:
             start = end
         valid = start
         routed = [expert for expert, _, _ in groups]
-        states = hidden_states[perm // num_top_k]
-        weights = top_k_weights.reshape(-1)[perm]
+        states = hidden_states.index_select(0, perm // num_top_k)
+        weights = top_k_weights.reshape(-1).index_select(0, perm)
 
         with self._lock:  # held for the whole call: a resize never swaps rows mid-compute
             plan = self._plan(layer, routed)
@@ -303,12 +303,15 @@ class ExpertRuntime:
             if host_groups:
                 on_device = [item for i, item in enumerate(on_device) if i not in host_groups]
             proj = grouped_output(pairs, self._proj_width, states, self._padded_out)
-            project(proj, states, [(lo, hi, w, b) for (_, lo, hi), (w, b, _, _) in on_device])
+            shared = project(proj, states, [(lo, hi, w, b) for (_, lo, hi), (w, b, _, _) in on_device],
+                             share_threads=self.share_threads)
             if valid < pairs:
                 proj[valid:].zero_()
             proj = module._apply_gate(proj) if self.geometry.has_gate else module.act_fn(proj)
             out = grouped_output(pairs, hidden_dim, states, self._padded_out)
-            project(out, proj, [(lo, hi, w, b) for (_, lo, hi), (_, _, w, b) in on_device])
+            shared |= project(out, proj, [(lo, hi, w, b) for (_, lo, hi), (_, _, w, b) in on_device],
+                              share_threads=self.share_threads)
+            self.shared_calls += shared
             if host_states is not None:  # the CPU share, when there is one
                 for i in host_groups:
                     _, lo, hi = groups[i]
@@ -318,8 +321,7 @@ class ExpertRuntime:
         if getattr(module, "has_post_expert_norm", False):
             out = module.post_expert_norm(out)
         weighted = out * weights.unsqueeze(-1)
-        restored = torch.empty((pairs, hidden_dim), dtype=weighted.dtype, device=weighted.device)
-        restored.index_copy_(0, perm, weighted)
+        restored = weighted.index_select(0, torch.argsort(perm))
         return restored.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
     def _forward_fused(self, module: ExpertsModule, layer: int, hidden_states: torch.Tensor,

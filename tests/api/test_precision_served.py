@@ -101,6 +101,9 @@ def test_int8_serves_and_says_so(tiny_qwen3, start_engine):
     assert r.status_code == 200, r.text
     assert DECODE_STEP_TOKENS < r.json()["usage"]["prompt_tokens"] <= runner.one_thread_up_to
     assert runner.step_threads == 1
+    # ... while its expert groups were shared with a helper over that budget (engine/load.py sets
+    # the runtime's share_threads; grouped.project).
+    assert runtime.share_threads == 2 and runtime.shared_calls > 0
 
 
 def test_step_breakdown_counts_a_served_request(tiny_qwen3, start_engine):

@@ -51,12 +51,16 @@ def test_a_hidden_size_below_one_is_refused():
 
 
 def test_a_decode_step_on_the_team_keeps_the_budget():
-    assert step_threads(1, 2, one_thread_up_to=96, team_decodes=True) == 2
-    assert step_threads(DECODE_STEP_TOKENS, 4, one_thread_up_to=96, team_decodes=True) == 4
+    assert step_threads(1, 2, one_thread_up_to=96, on_team=True) == 2
+    assert step_threads(DECODE_STEP_TOKENS, 4, one_thread_up_to=96, on_team=True) == 4
 
 
-def test_a_short_prefill_stays_on_one_thread_while_decode_steps_are_on_the_team():
-    assert step_threads(DECODE_STEP_TOKENS + 1, 2, one_thread_up_to=96, team_decodes=True) == 1
+def test_a_short_prefill_on_the_team_keeps_the_budget():
+    assert step_threads(DECODE_STEP_TOKENS + 1, 2, one_thread_up_to=96, on_team=True) == 2
+
+
+def test_a_short_prefill_off_the_team_runs_on_one_thread():
+    assert step_threads(DECODE_STEP_TOKENS + 1, 2, one_thread_up_to=96) == 1
 
 
 def _team(others, *, cores=2, budget=2, spinning=True, on_team=False):
