@@ -214,6 +214,8 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         vocab_size=loaded.model.config.get_text_config().vocab_size,
     )
     eos_ids += tuple(t for t in chat.turn_stop_ids if t not in eos_ids)
+    thread_budget = torch.get_num_threads()
+    runtime.share_threads = thread_budget  # a one-thread prefill's expert groups take the budget
     settings = RunnerSettings(
         page_size=opts.page_size,
         max_batch_tokens=opts.max_batch_tokens,
@@ -223,9 +225,8 @@ def load_model(opts: EngineOptions, state: LoadState) -> tuple[ServedModel, Pool
         anchor_token=chat.anchor_token,
         step_delay_s=opts.test_step_delay_s if opts.test_hooks else 0.0,
         one_thread_small_steps=runtime.fused is not None,  # a lossy format on the compiled kernel
-        thread_budget=torch.get_num_threads(),
+        thread_budget=thread_budget,
     )
-    runtime.share_threads = settings.thread_budget or 1  # a one-thread prefill's groups take the budget
     pools = Pools(loaded.model, runtime, budget, measured, settings, trained_context=info.context_length)
     pools.open(sizes, progress)  # freezes the long-lived objects out of the cyclic GC
     # Loading freed what it only needed on the way (dequantized and full-precision copies of the

@@ -399,8 +399,7 @@ class SchedulerHooks:
         """Run the step on the threads :func:`~moetray.policy.step_threads.step_threads` gives it
         (set on the generation thread, only when the count changes): a step it would keep on one
         thread (a decode step, a short prefill) asks the runner's ``decode_team`` whether the load
-        lets it on the whole budget. Recorded as the
-        runner's ``step_threads``."""
+        lets it on the whole budget. Recorded as the runner's ``step_threads``."""
         team = self._runner.decode_team
         on_team = team is not None and query_tokens <= self._runner.one_thread_up_to and team.decides()
         threads = step_threads(query_tokens, self._budget, one_thread_up_to=self._runner.one_thread_up_to,
