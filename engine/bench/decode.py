@@ -57,6 +57,7 @@ from moetray.engine.bench.targets import (
     ServedEngine,
     demo_llama_files,
     llama_file,
+    progress,
     run_client,
 )
 
@@ -77,10 +78,6 @@ def format_spec(spec: str) -> tuple[str, str, bool]:
         fmt = spec.removesuffix(GROUPED)
         return f"{fmt} (grouped GEMMs)", fmt, False
     return spec, spec, True
-
-
-def _progress(msg: str) -> None:
-    print(f"[bench decode] {msg}", file=sys.stderr, flush=True)
 
 
 # --- measurements that need no engine ----------------------------------------------------------
@@ -146,8 +143,8 @@ def measure_round(target: ServedEngine | dict[str, Any], label: str, *, batch: i
     cpu0 = proc.cpu_times() if proc is not None else None
     counters = _EngineCounters.start(target) if isinstance(target, ServedEngine) else None
     t0 = time.perf_counter()
-    client = run_client(url, model, concurrency=batch, max_tokens=max_tokens, tag=tag,
-                        extra=extra, warm_up=False)
+    client = run_client(url, model, concurrency=batch, max_tokens=max_tokens, tag=tag, extra=extra,
+                        warm_up=False, server=None if server is None else server.proc)
     cpu1 = proc.cpu_times() if proc is not None else None
     wall = client["wall_s"]  # the requests' window (the client's own start-up excluded)
     replies = client["requests"]
@@ -391,10 +388,10 @@ def main(argv: list[str]) -> int:
     from moetray.engine.models.precision import resolve_format
 
     served_auto = resolve_format("auto", model_dir, torch.device("cpu")).weights
-    _progress(f"memory bandwidth ({args.threads} threads)")
+    progress(f"memory bandwidth ({args.threads} threads)")
     bw = read_bandwidth_gbs()
     load_before = os.getloadavg()[0]  # other processes' share of the cores: wall-clock ratios need it
-    _progress(f"    {bw:.1f} GB/s")
+    progress(f"    {bw:.1f} GB/s")
 
     if not llama_files and args.model is None and not args.no_llama:
         llama_files = demo_llama_files(model_dir)
@@ -402,20 +399,20 @@ def main(argv: list[str]) -> int:
     llamas: list[LlamaServer] = []
     try:
         for label, path in llama_files:
-            _progress(f"starting llama.cpp on {path.name}")
+            progress(f"starting llama.cpp on {path.name}")
             llamas.append(LlamaServer(label, path, threads=args.threads))
         for server in llamas:
             server.wait_ready()
         for spec in formats:
             label, fmt, compiled = format_spec(spec)
-            _progress(f"loading {label}")
+            progress(f"loading {label}")
             served = ServedEngine(model_dir, fmt, kv_tokens=max(batches) * (args.max_tokens + 128) * 2,
                                   max_requests=max(batches), compile_decode=compiled)
             served.wait_serving()
             engines[label] = served
         q8_file = next((path for label, path in llama_files if label == EQUAL_BYTES[Q8_FILE]), None)
         if q8_file is not None and "int8" in engines:  # the same Q8_0 file llama.cpp serves
-            _progress(f"loading int8 from {q8_file.name}")
+            progress(f"loading int8 from {q8_file.name}")
             served = ServedEngine(q8_file, "int8", kv_tokens=max(batches) * (args.max_tokens + 128) * 2,
                                   max_requests=max(batches))
             served.wait_serving()
@@ -438,7 +435,7 @@ def main(argv: list[str]) -> int:
                                         tag=f"r{rnd}b{batch}")
                     row["round"] = rnd
                     rows.append(row)
-                    _progress(f"batch {batch} round {rnd} {label}: {row['request_decode_tok_s'] or 0:.1f} "
+                    progress(f"batch {batch} round {rnd} {label}: {row['request_decode_tok_s'] or 0:.1f} "
                               f"tok/s per request, {row['aggregate_tok_s']:.1f} aggregate")
         dense = {label: dense_bytes_per_step(s.served_model().loaded.model) for label, s in engines.items()}
         expert_bytes = {label: s.served_model().loaded.runtime.bytes_per_slot for label, s in engines.items()}
@@ -479,7 +476,7 @@ def main(argv: list[str]) -> int:
         columns=TABLE_COLUMNS, rows=table,
         title="Decode speed per weight format: tok/s, bytes per token, the memory bound, where a step goes",
         notes=notes)
-    _progress(f"receipt: {path}")
+    progress(f"receipt: {path}")
     return 0
 
 

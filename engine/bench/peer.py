@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from moetray.engine.bench.results import results_dir, write_receipt
-from moetray.engine.bench.serve import Child, engine_serving
+from moetray.engine.bench.serve import Child, engine_serving, exit_reason
 from moetray.engine.bench.targets import peer_env
 
 PROMPTS = [
@@ -135,7 +135,7 @@ def _run_llama(model: Path, args) -> dict[str, Any]:
         timeout=args.timeout,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp child failed: {done.stderr[-2000:]}")
+        raise RuntimeError(f"llama.cpp child failed ({exit_reason(done.returncode)}): {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from moetray.engine.load import ServedModel
 
 
-def _progress(msg: str) -> None:
+def progress(msg: str) -> None:
     print(f"[bench decode] {msg}", file=sys.stderr, flush=True)
 
 
@@ -173,14 +173,20 @@ class LlamaServer:
 
 
 def run_client(url: str, model: str, *, concurrency: int, max_tokens: int, tag: str,
-               extra: dict[str, Any] | None = None, warm_up: bool = True) -> dict[str, Any]:
-    """One round of :mod:`moetray.engine.bench.loadgen` in its own process; its JSON result."""
+               extra: dict[str, Any] | None = None, warm_up: bool = True,
+               server: subprocess.Popen | None = None) -> dict[str, Any]:
+    """One round of :mod:`moetray.engine.bench.loadgen` in its own process; its JSON result. Where the
+    round fails because ``server`` (a peer's process) died, the error says how it died."""
     cmd = [sys.executable, "-m", "moetray.engine.bench.loadgen", "--url", url, "--model", model,
            "--concurrency", str(concurrency), "--requests", str(concurrency), "--max-tokens", str(max_tokens),
            "--tag", tag, "--extra-json", json.dumps(extra or {})] + ([] if warm_up else ["--no-warm-up"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if done.returncode != 0:
+        if server is not None and server.poll() is not None:
+            from moetray.engine.bench.serve import exit_reason
+
+            raise RuntimeError(f"the server died during the round ({exit_reason(server.returncode)})")
         raise RuntimeError(f"load generator failed ({done.returncode}): {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -198,7 +204,7 @@ def demo_llama_files(model_dir: Path) -> list[tuple[str, Path]]:
 
         from moetray.engine.models.gguf_export import export_gguf
     except ImportError as exc:
-        _progress(f"no llama.cpp peer: {exc} (pip install 'llama-cpp-python[server]')")
+        progress(f"no llama.cpp peer: {exc} (pip install 'llama-cpp-python[server]')")
         return []
     import platformdirs
 
@@ -208,7 +214,7 @@ def demo_llama_files(model_dir: Path) -> list[tuple[str, Path]]:
     for qtype in ("F16", "Q8_0"):
         dest = out / f"demo-{qtype}.gguf"
         if not dest.exists():
-            _progress(f"exporting the demo as {qtype} GGUF")
+            progress(f"exporting the demo as {qtype} GGUF")
             tmp = dest.with_suffix(".partial.gguf")
             export_gguf(model_dir, tmp, qtype, output_weight=True, gate_floor=1e-30)
             tmp.rename(dest)

@@ -62,3 +62,39 @@ def test_the_reproduce_line_drops_the_scratch_folder_and_its_value():
     """Prevents: a receipt whose reproduce line names this run's temporary folder as a bare argument."""
     argv = ["--types", "F16", "--workdir", "/tmp/x", "--tokens", "8", "--workdir=/tmp/y"]
     assert peer._without_workdir(argv) == ["--types", "F16", "--tokens", "8"]
+
+
+def test_a_peer_killed_by_an_illegal_instruction_is_named_with_the_rebuild_that_avoids_it(tmp_path):
+    """A peer that dies says how, by name, through the same ``Child`` both benches start it with: a
+    real child killed by SIGILL (ggml's AMX kernels on a VM without AMX state do that at the first
+    multi-token batch) names the signal and the AMX-free rebuild; another signal and an exit code are
+    named as they are. Prevents: ``llama.cpp child failed:`` with nothing after it, which is what a
+    SIGILL left before."""
+    import signal
+    import sys
+
+    from moetray.engine.bench.serve import AMX_FREE_BUILD, Child, exit_reason, free_port
+
+    kill = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+    child = Child("peer", [sys.executable, "-c", kill], free_port(), {}, tmp_path / "peer.log")
+    with pytest.raises(RuntimeError, match="exited early") as refused:
+        child.wait_ready(lambda r: True, timeout=120)
+    assert "SIGILL" in str(refused.value) and AMX_FREE_BUILD in str(refused.value)
+    assert exit_reason(-signal.SIGKILL) == "killed by SIGKILL"
+    assert exit_reason(3) == "exit code 3"
+
+
+def test_a_round_against_a_peer_that_died_says_how_it_died():
+    """``bench decode``'s round against a peer whose process died reports the death by name, not the
+    load generator's lost connection. Prevents: a peer crash read as a client bug."""
+    import subprocess
+    import sys
+
+    from moetray.engine.bench.serve import free_port
+    from moetray.engine.bench.targets import run_client
+
+    dead = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"])
+    dead.wait(timeout=60)
+    with pytest.raises(RuntimeError, match="the server died during the round .*SIGILL"):
+        run_client(f"http://127.0.0.1:{free_port()}", "peer", concurrency=1, max_tokens=2, tag="t",
+                   warm_up=False, server=dead)
