@@ -43,7 +43,12 @@ def helper_count() -> int:
 def _one_thread() -> None:
     """A helper's products run on the helper alone: OpenMP's and MKL's thread counts are per
     calling thread, so the caller's budget stays as it was (torch also records 1 as the count
-    later-started ATen pool threads begin with; the engine starts none)."""
+    later-started ATen pool threads begin with; the engine starts none).
+
+    The count is read first: torch sets a thread's count lazily, at its first read or parallel op,
+    to the count last set by any thread, so a helper that only set 1 took the caller's 2 if the
+    caller set 2 in between (a helper's first GEMMs then ran an OpenMP team of their own)."""
+    torch.get_num_threads()
     torch.set_num_threads(1)
 
 

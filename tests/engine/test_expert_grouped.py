@@ -206,3 +206,28 @@ def test_an_unknown_compute_mode_is_refused_before_loading(tiny_moe, monkeypatch
     with pytest.raises(UnknownComputeMode) as err:
         load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), capacity=4, compute="grouped")
     assert err.value.kind == "unknown_compute_mode" and reads == []
+
+
+def test_a_helper_keeps_one_thread_when_the_caller_sets_its_count_after_the_helper_started():
+    """A helper thread starts at one intra-op thread and stays there although the caller sets two
+    between the helper's start and its first product. torch gives a thread its count lazily, at the
+    first read, from the count any thread set last. Prevents: a helper's first GEMMs running an
+    OpenMP team of their own (it made the share-out test above fail about one run in three)."""
+    from moetray.engine.helpers import _one_thread
+
+    started, go = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def helper() -> None:
+        _one_thread()  # the helper pool's initializer
+        started.set()
+        go.wait(timeout=60)
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=helper)
+    thread.start()
+    assert started.wait(timeout=60), "the helper thread never ran its initializer"
+    torch.set_num_threads(2)  # the autouse fixture restores the count
+    go.set()
+    thread.join(timeout=60)
+    assert seen == [1]
