@@ -88,8 +88,8 @@ def usable_cores() -> int:
 
 class DecodeTeam:
     """Whether decode steps and short prefills run on the whole thread budget now, re-decided on
-    the measured load before each (the latest interval's reading, sampled in the background where a
-    team can form at all); counts the steps each way.
+    the measured load before each (the latest interval's reading, sampled in the background from
+    construction on where a team can form at all); counts the steps each way.
 
     ``spinning`` defaults to what libgomp read from this process's environment at start (the
     engine's ``serve`` sets it before torch loads); ``load`` to :class:`OthersLoad`."""
@@ -106,6 +106,11 @@ class DecodeTeam:
         # Whether any load lets decode steps on the team (their graphs are compiled at start).
         self.possible = team_serves_decode(0.0, cores=self.cores, budget=budget, spinning=spinning,
                                            on_team=False)
+        if self.possible:
+            # Start sampling now: read first at the first step, the load is None for an interval, and a
+            # served engine's first request ran its prefill and first half second of decode on one
+            # thread (measured: a 43-token prefill 280-340 ms against 150-200 on the team after it).
+            self.load()
         self.on_team = False
         self.team_steps = 0
         self.one_thread_steps = 0

@@ -76,6 +76,20 @@ def test_a_team_that_cannot_form_never_reads_the_load():
     assert asked == []
 
 
+def test_a_team_that_can_form_has_a_load_reading_before_its_first_step():
+    """Where a team can form, the load is sampled from the team's construction (the runner's, at
+    load), so the first request's first step reads a measured interval. Prevents: the first request
+    after start running its prefill and first half second of decode on one thread (the reading
+    was None until an interval after the first step asked)."""
+    load = OthersLoad(interval_s=0.05)
+    team = DecodeTeam(2, spinning=True, load=load.cores, cores=2)
+    deadline = time.monotonic() + 60
+    while load.readings == 0 and time.monotonic() < deadline:  # sampled in the background, unasked
+        time.sleep(0.05)
+    assert load.readings > 0, "no load reading 60 s after the team was made"
+    assert team.team_steps == team.one_thread_steps == 0  # no step asked for it
+
+
 def test_the_engine_starts_with_a_short_spin_unless_the_user_set_a_wait_policy():
     """``moetray serve`` sets TEAM_SPIN_COUNT spins (under the ACTIVE policy, for the throttled
     count) before torch loads; a wait policy of the user's own is kept whole. Prevents: decode
