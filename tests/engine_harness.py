@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+from bounded import COLD_START_S
 
 from moetray.engine.api.security import Credentials, HostPolicy
 from moetray.engine.core import Engine, EngineOptions
@@ -67,7 +68,7 @@ class LiveEngine:
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60.0, **kw)
 
-    def wait_state(self, states: set[str], timeout: float = 300.0) -> dict:
+    def wait_state(self, states: set[str], timeout: float = COLD_START_S) -> dict:
         """Poll /health until the state is one of ``states``; a first load on a cold machine also
         compiles the decode step (a lossy format), hence the generous default."""
         deadline = time.monotonic() + timeout

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from bounded import exit_code
+from bounded import COLD_START_S, exit_code
 
 from moetray.app.cli import has_display
 
@@ -52,7 +52,7 @@ def test_moetray_without_a_display_serves_the_default_model_and_stops_on_ctrl_c(
     with open(log, "w") as err_file:
         proc = processes.spawn([sys.executable, "-m", "moetray.app.cli"], env=env, stderr=err_file,
                                stdout=subprocess.DEVNULL, text=True)
-    deadline, health = time.monotonic() + 300, None  # a cold first start compiles the decode step
+    deadline, health = time.monotonic() + COLD_START_S, None  # a cold first start compiles the decode step
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             health = httpx.get(f"http://127.0.0.1:{DEFAULT_PORT}/health", timeout=2).json()
@@ -61,7 +61,7 @@ def test_moetray_without_a_display_serves_the_default_model_and_stops_on_ctrl_c(
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    assert health is not None and health["state"] == "serving", f"waited 120 s to serve: {health}"
+    assert health is not None and health["state"] == "serving", f"waited {COLD_START_S:g} s: {health}"
     proc.send_signal(signal.SIGINT)
     assert exit_code(proc, 60, "the headless engine to end on Ctrl-C") == 0
     err = log.read_text()
