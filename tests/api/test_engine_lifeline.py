@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+from bounded import COLD_START_S
 
 from moetray.policy import wire
 
@@ -63,7 +64,7 @@ def test_an_engine_ends_when_its_tray_is_killed(tiny_qwen3, tmp_path):
     engine_pid = int(tray.stdout.readline())
     log = tmp_path / "engine.log"
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + COLD_START_S
         while True:  # serving: the case where a dead tray's engine held memory for 30 minutes
             assert _alive(engine_pid), log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the engine never served"

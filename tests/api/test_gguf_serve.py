@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from bounded import COLD_START_S
 from engine_harness import ADMIN, LiveEngine
 from test_serve_cli import child_env, free_port
 
@@ -95,7 +96,7 @@ def test_serve_by_ollama_name_reads_the_blob_in_place(tiny_gguf, tmp_path):
         start_new_session=True,
     )
     try:
-        health, deadline = {}, time.monotonic() + 120
+        health, deadline = {}, time.monotonic() + COLD_START_S
         while time.monotonic() < deadline and health.get("state") not in ("serving", "failed"):
             try:
                 health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()

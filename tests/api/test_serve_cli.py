@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
-from bounded import exit_code
+from bounded import COLD_START_S, exit_code
 
 
 def free_port() -> int:
@@ -55,9 +55,9 @@ def test_serve_comes_up_before_the_model_and_writes_a_private_token_file(tiny_qw
     with open(log, "w") as out:
         proc = processes.spawn(cmd, env=child_env(tmp_path), stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
-        states, deadline = [], time.monotonic() + 120
+        states, deadline = [], time.monotonic() + COLD_START_S
         while True:
-            assert time.monotonic() < deadline, f"waited 120 s for the engine to serve: {states}"
+            assert time.monotonic() < deadline, f"waited {COLD_START_S:g} s for the engine to serve: {states}"
             try:
                 health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
             except httpx.TransportError:
@@ -129,7 +129,7 @@ def test_a_planted_symlink_never_receives_the_admin_token_and_stale_tokens_go(ti
                      f"engine-{port}.token"):
             (tokens / name).symlink_to(victim)
         os.kill(proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + COLD_START_S
         while time.monotonic() < deadline:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["state"] == "serving":
