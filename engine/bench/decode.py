@@ -436,7 +436,7 @@ def main(argv: list[str]) -> int:
                     row["round"] = rnd
                     rows.append(row)
                     progress(f"batch {batch} round {rnd} {label}: {row['request_decode_tok_s'] or 0:.1f} "
-                              f"tok/s per request, {row['aggregate_tok_s']:.1f} aggregate")
+                             f"tok/s per request, {row['aggregate_tok_s']:.1f} aggregate")
         dense = {label: dense_bytes_per_step(s.served_model().loaded.model) for label, s in engines.items()}
         expert_bytes = {label: s.served_model().loaded.runtime.bytes_per_slot for label, s in engines.items()}
         dtypes = {label: s.model_info()["dtype"] for label, s in engines.items()}

@@ -79,7 +79,7 @@ AMX_FREE_BUILD = ("CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_
 """A llama-cpp-python build without ggml's AMX kernels. A native build on a CPU that lists AMX compiles
 them in, and a virtual machine that does not grant the AMX tile state kills the process with SIGILL at
 its first multi-token batch (seen on this project's 2-core CI machine: loading and one-token prompts
-worked, a 16-token prompt died at ``tilezero``)."""
+worked, a prompt of a dozen words died at ``tilezero``)."""
 
 
 def exit_reason(returncode: int) -> str:
