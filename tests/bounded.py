@@ -23,7 +23,8 @@ POLL_S = 0.05
 COLD_START_S = 900.0
 """Seconds an engine may take to serve after a cold start: a lossy format compiles its decode step
 first (minutes on a 2-core CPU). Measured: over 300 s for the demo on a 2-core host with 16.8 GB/s
-of memory bandwidth while the test suite ran beside it."""
+of memory bandwidth while the test suite ran beside it. A test that waits this long raises its own
+``pytest.mark.timeout`` above the suite's 300 s."""
 
 
 def wait_until(condition: Callable[[], T], timeout_s: float, what: str, *, poll_s: float = POLL_S) -> T:

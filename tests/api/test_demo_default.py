@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from bounded import COLD_START_S
 from engine_harness import LiveEngine
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(COLD_START_S + 300)  # a cold start compiles the demo's decode step, then it answers
 def test_no_model_serves_the_embedded_demo_with_its_label(tmp_path):
     from moetray.engine.demo import demo_model_path, ensure_demo_model, read_sidecar
 

@@ -39,6 +39,7 @@ def test_a_window_needs_a_display_only_on_linux(environ, platform, expected):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(COLD_START_S + 300)  # a cold start compiles the demo's decode step
 def test_moetray_without_a_display_serves_the_default_model_and_stops_on_ctrl_c(tmp_path, processes):
     from moetray.engine.demo import ensure_demo_model
     from moetray.engine.serve import DEFAULT_PORT
