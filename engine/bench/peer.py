@@ -42,8 +42,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moetray.engine.bench.exits import exit_reason
 from moetray.engine.bench.results import results_dir, write_receipt
-from moetray.engine.bench.serve import Child, engine_serving, exit_reason
+from moetray.engine.bench.serve import Child, engine_serving
 from moetray.engine.bench.targets import peer_env
 
 PROMPTS = [

@@ -19,12 +19,11 @@ through HTTP exactly as a client's would. Measured in one run:
 6. **constrained decoding** — tok/s of ``json_schema`` and ``tool_choice="required"`` requests
    against the same prompts unconstrained, at concurrency 1 and 8 (``bench.constrained``).
 
-The model is ``--model DIR``, or (default) a random-weight Qwen3-MoE generated once into the
-cache with a 4096-token context so the prefix fits; random weights make outputs meaningless
-but the work per token real. The receipt goes to ``bench/results/serve.json`` with the
-goals' status: ≥ 1.5× `transformers serve` aggregate tok/s at concurrency 8; follow-up
-(radix hit) TTFT ≥ 5× faster than cold; a 1 GiB re-split in < 250 ms.
-"""
+The model is ``--model DIR``, or (default) a random-weight Qwen3-MoE generated once into the cache
+with a 4096-token context so the prefix fits; random weights make outputs meaningless but the work
+per token real. The receipt goes to ``bench/results/serve.json`` with the goals' status: ≥ 1.5×
+`transformers serve` aggregate tok/s at concurrency 8; follow-up (radix hit) TTFT ≥ 5× faster than
+cold; a 1 GiB re-split in < 250 ms."""
 
 from __future__ import annotations
 
@@ -45,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from moetray.engine.bench.exits import exit_reason
 from moetray.engine.bench.loadgen import sse_chunks
 from moetray.engine.bench.random_model import CORPUS, ensure_random_model
 
@@ -73,30 +73,6 @@ def ensure_bench_model(path: Path | None = None) -> Path:
 # --- child servers ----------------------------------------------------------------------------
 
 
-AMX_FREE_BUILD = ("CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON "
-                  "-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF' "
-                  "pip install --force-reinstall --no-deps --no-cache-dir 'llama-cpp-python[server]'")
-"""A llama-cpp-python build without ggml's AMX kernels. A native build on a CPU that lists AMX compiles
-them in, and a virtual machine that does not grant the AMX tile state kills the process with SIGILL at
-its first multi-token batch (seen on this project's 2-core CI machine: loading and one-token prompts
-worked, a prompt of a dozen words died at ``tilezero``)."""
-
-
-def exit_reason(returncode: int) -> str:
-    """A child's exit status by name: ``exit code N``, or the signal that killed it; for SIGILL, the
-    likely cause and the rebuild that avoids it (:data:`AMX_FREE_BUILD`)."""
-    if returncode >= 0:
-        return f"exit code {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        return f"killed by signal {-returncode}"
-    if name == "SIGILL":
-        return (f"killed by {name}: an instruction this CPU or VM refuses (a native llama.cpp build "
-                f"with AMX kernels on a VM without AMX state, for one); rebuild with {AMX_FREE_BUILD}")
-    return f"killed by {name}"
-
-
 def free_port() -> int:
     """A loopback port nothing listens on now (for a child server to bind)."""
     with socket.socket() as s:
@@ -121,9 +97,8 @@ class Child:
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited early ({exit_reason(self.proc.returncode)}); "
-                                       f"see {self.log}")
+                if (code := self.proc.poll()) is not None:
+                    raise RuntimeError(f"{self.name} exited early ({exit_reason(code)}); see {self.log}")
                 with contextlib.suppress(httpx.HTTPError):
                     if ready(httpx.get(f"{self.url}{path}", timeout=2.0)):
                         return

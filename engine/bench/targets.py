@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moetray.engine.bench.exits import exit_reason
+
 if TYPE_CHECKING:
     from moetray.engine.bench.breakdown import StepBreakdown
     from moetray.engine.load import ServedModel
@@ -184,8 +186,6 @@ def run_client(url: str, model: str, *, concurrency: int, max_tokens: int, tag: 
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if done.returncode != 0:
         if server is not None and server.poll() is not None:
-            from moetray.engine.bench.serve import exit_reason
-
             raise RuntimeError(f"the server died during the round ({exit_reason(server.returncode)})")
         raise RuntimeError(f"load generator failed ({done.returncode}): {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

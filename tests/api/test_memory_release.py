@@ -53,19 +53,24 @@ def resplit(engine, kv_tokens: int) -> None:
 def test_a_retired_kv_pool_is_unmapped_and_rss_returns_after_every_resplit(tiny_qwen3, start_engine):
     engine = start_engine(tiny_qwen3, budget_bytes=1 << 30, kv_tokens=131072)
     big, small = 131072, 65536
+    gc.collect()  # an earlier test's engine, if garbage, unmaps its pools now
     startup_bytes, rss_full = fill_and_measure(engine)
-    assert mappings_of(startup_bytes) == 1
+    # Counted against the mappings of that size while the pool is live: an earlier test's engine may
+    # still map one of the same size (seen once in a full run on a slower host), and may only go.
+    startup_maps = mappings_of(startup_bytes)
+    assert startup_maps >= 1
     resplit(engine, small)
-    assert mappings_of(startup_bytes) == 0, "the startup pool is still mapped after its re-split"
+    assert mappings_of(startup_bytes) <= startup_maps - 1, "the startup pool is still mapped after a re-split"
     rss_after = psutil.Process().memory_info().rss
     assert rss_full - rss_after >= 0.8 * startup_bytes, (rss_full, rss_after, startup_bytes)
     small_bytes, rss_small = fill_and_measure(engine)
+    small_maps = mappings_of(small_bytes)
     for _ in range(3):  # any number of re-splits with traffic between: nothing accumulates
         resplit(engine, big)
-        assert mappings_of(small_bytes) == 0
+        assert mappings_of(small_bytes) <= small_maps - 1
         fill_and_measure(engine)
         resplit(engine, small)
-        assert mappings_of(startup_bytes) == 0
+        assert mappings_of(startup_bytes) <= startup_maps - 1
         _, rss = fill_and_measure(engine)
         assert rss <= 1.15 * rss_small, (rss, rss_small)
 

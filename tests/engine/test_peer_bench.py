@@ -73,7 +73,8 @@ def test_a_peer_killed_by_an_illegal_instruction_is_named_with_the_rebuild_that_
     import signal
     import sys
 
-    from moetray.engine.bench.serve import AMX_FREE_BUILD, Child, exit_reason, free_port
+    from moetray.engine.bench.exits import AMX_FREE_BUILD, exit_reason
+    from moetray.engine.bench.serve import Child, free_port
 
     kill = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
     child = Child("peer", [sys.executable, "-c", kill], free_port(), {}, tmp_path / "peer.log")
