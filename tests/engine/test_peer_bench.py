@@ -11,6 +11,10 @@ import torch
 from moetray.engine.bench import peer
 from moetray.engine.bench.random_model import ensure_random_model, ensure_random_twin
 
+KILLED_BY_SIGILL = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+"""A child's code that ends it as an illegal instruction would (what ggml's AMX kernels do on a VM
+without AMX state)."""
+
 
 def test_offload_pairs_follow_the_resident_row_with_both_engines_settings():
     """Each ``CAPACITY:N`` pair is one row: moetray at that expert capacity, llama.cpp with that
@@ -76,8 +80,7 @@ def test_a_peer_killed_by_an_illegal_instruction_is_named_with_the_rebuild_that_
     from moetray.engine.bench.exits import AMX_FREE_BUILD, exit_reason
     from moetray.engine.bench.serve import Child, free_port
 
-    kill = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
-    child = Child("peer", [sys.executable, "-c", kill], free_port(), {}, tmp_path / "peer.log")
+    child = Child("peer", [sys.executable, "-c", KILLED_BY_SIGILL], free_port(), {}, tmp_path / "peer.log")
     with pytest.raises(RuntimeError, match="exited early") as refused:
         child.wait_ready(lambda r: True, timeout=120)
     assert "SIGILL" in str(refused.value) and AMX_FREE_BUILD in str(refused.value)
@@ -94,7 +97,7 @@ def test_a_round_against_a_peer_that_died_says_how_it_died():
     from moetray.engine.bench.serve import free_port
     from moetray.engine.bench.targets import run_client
 
-    dead = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"])
+    dead = subprocess.Popen([sys.executable, "-c", KILLED_BY_SIGILL])
     dead.wait(timeout=60)
     with pytest.raises(RuntimeError, match="the server died during the round .*SIGILL"):
         run_client(f"http://127.0.0.1:{free_port()}", "peer", concurrency=1, max_tokens=2, tag="t",
