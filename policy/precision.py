@@ -116,3 +116,50 @@ def _quantized_on_cpu(quantized: str, cpu_features: frozenset[str]) -> ServingFo
                                                  f"activations ({flags})")
     return ServingFormat("bfloat16", "bfloat16", f"auto: a {quantized} file: bfloat16, its experts decoded "
                                                  f"per slot ({flags})")
+
+
+INT8_KERNEL_PS_PER_ROW_WEIGHT = 12
+"""Picoseconds torch's weight-only int8 kernel (``_weight_int8pack_mm``) spends per weight per
+activation row: it computes row after row, so its time grows with the rows (measured, 2 cores of
+this project's AVX512-BF16 CPU: a 576×576 weight 35 µs at 8 rows, 129 at 32, 628 at 160)."""
+
+WIDEN_FIXED_US = 30
+"""Microseconds a widened product costs however small (oneDNN's bfloat16 matrix product's set-up;
+measured as above: a 128×576 weight 36 µs at 8 rows)."""
+
+WIDEN_PS_PER_WEIGHT = 130
+"""Picoseconds a widened product spends per weight, once for all rows: the int8 weight copied
+to bfloat16 (exact: every int8 value is a bfloat16) and read by oneDNN's matrix product, which
+grows little with the rows (a 576×576 weight: 73 µs at 16 rows, 136 at 160)."""
+
+
+def widens_int8_product(rows: int, weights: int) -> bool:
+    """Whether an int8 product of ``rows`` activation rows and a weight of ``weights`` int8 values
+    widens the weight to bfloat16 for oneDNN's matrix product rather than call the int8 kernel. Pure.
+
+    The int8 kernel reads the weight once per row; widened, the weight is converted once and the
+    product's cost hardly grows with the rows. So a decode step (a few rows) keeps the int8 kernel
+    and a prefill (tens to thousands of rows) widens: on the demo's 576×576 attention weights from
+    about 19 rows, on a 64-neuron expert's 128×576 weight from about 45 (its rows are the tokens
+    routed to it). Widening rounds the result twice (the product's bfloat16, then the scale), one
+    more rounding than the kernel's, within the lossy int8 format's budget."""
+    kernel_ps = rows * weights * INT8_KERNEL_PS_PER_ROW_WEIGHT
+    return kernel_ps > WIDEN_FIXED_US * 1_000_000 + weights * WIDEN_PS_PER_WEIGHT
+
+
+WIDEN_ROWS_STEP = 1024
+"""Past this many rows a widened product's rows are padded to a multiple of it, below it to a
+power of two (:func:`widened_rows`)."""
+
+
+def widened_rows(rows: int) -> int:
+    """The rows a widened product computes for ``rows`` (zero rows pad the rest). Pure.
+
+    oneDNN builds a product's kernel for its exact shape, ~1 ms each on this project's CPU, and
+    keeps it for the next product of that shape: every prompt length a shape of its own would
+    pay that at every prefill's every matrix (measured: 980 µs against 96 µs a 576×576 product
+    of 20-220 rows). Padded to a few sizes, the kernels are built once; the padding costs less
+    (a 576×576 weight, 16-40 rows: 86 µs padded against the int8 kernel's 135)."""
+    if rows <= WIDEN_ROWS_STEP:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // WIDEN_ROWS_STEP) * WIDEN_ROWS_STEP

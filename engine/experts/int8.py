@@ -29,6 +29,7 @@ from moetray.engine.experts.store import (
     QuantizedExpertStore,
     unpack_row,
 )
+from moetray.engine.models.precision import int8_matmul
 
 __all__ = ["Int8ExpertStore", "Int8Layout", "Int8Weight", "int8_gemm"]
 
@@ -123,10 +124,12 @@ def _q8_0_only(store: ExpertStore) -> bool:
 
 
 def int8_gemm(states: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
-    """``states @ (qweight · scale)ᵀ`` by the weight-only int8 kernel (bfloat16 activations)."""
+    """``states @ (qweight · scale)ᵀ`` by the weight-only int8 kernel, or for a group of many
+    rows the widened weight (:func:`~moetray.engine.models.precision.int8_matmul`); bfloat16
+    activations."""
     if states.dtype != torch.bfloat16 or not states.is_contiguous():
         states = states.to(torch.bfloat16).contiguous()
-    return torch.ops.aten._weight_int8pack_mm(states, weight.qweight, weight.scale)
+    return int8_matmul(states, weight.qweight, weight.scale)
 
 
 class Int8ExpertStore(ExpertStore):

@@ -8,7 +8,8 @@ here (:func:`cpu_features`). :func:`apply_format` then adapts the loaded model:
   :class:`Int8Linear`: int8 weights with one bfloat16 scale per output channel, computed by
   torch's weight-only int8 kernel (``aten._weight_int8pack_mm``) on bfloat16 activations,
   so a decode step reads one byte per dense weight instead of two (the routed experts are
-  made int8 the same way as the store is built: :mod:`moetray.engine.experts.int8`);
+  made int8 the same way as the store is built: :mod:`moetray.engine.experts.int8`); a product
+  of many rows (a prefill) widens the weight instead (:func:`int8_matmul`);
 - bfloat16 on a CPU: a step whose every matrix product has one row (a decode step of one
   request) runs with oneDNN off, so bfloat16 products take torch's own matrix-vector kernel
   (about 2× faster than oneDNN's at one row on an AVX512-BF16 CPU: 30 µs against 56 µs for a
@@ -23,13 +24,14 @@ import functools
 import json
 import logging
 import platform
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from moetray.policy.precision import ServingFormat, choose_format
+from moetray.policy.precision import ServingFormat, choose_format, widened_rows, widens_int8_product
 
 log = logging.getLogger("moetray.engine.models.precision")
 
@@ -91,15 +93,59 @@ def apply_format(fmt: ServingFormat, model: nn.Module, device: torch.device) -> 
 # --- int8 weights --------------------------------------------------------------------------------
 
 
+WIDEN_BLOCK_WEIGHTS = 1 << 21
+"""Int8 weights widened to bfloat16 at a time (4 MiB per thread that widens): a larger matrix (an
+LM head) is widened and multiplied a block of output channels after another."""
+
+_WIDEN = threading.local()  # .scratch: this thread's bfloat16 block
+
+
+class WidenedProducts:
+    """Int8 products computed by widening the weight (:func:`int8_matmul`), counted."""
+
+    count = 0
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor) -> torch.Tensor:
+    """``x @ (qweight · qscale)ᵀ`` for contiguous bfloat16 rows ``x`` ``[M, in]``: by torch's int8
+    kernel, or where :func:`~moetray.policy.precision.widens_int8_product` decides (many rows,
+    eager), by oneDNN's bfloat16 product over the weight widened a block at a time (exact), the
+    scale applied to its output, the rows padded to :func:`~moetray.policy.precision.widened_rows`.
+    Traced in a compiled step it is always the kernel."""
+    rows, weights = x.shape[0], qweight.numel()
+    if torch.compiler.is_compiling() or not widens_int8_product(rows, weights):
+        return torch.ops.aten._weight_int8pack_mm(x, qweight, qscale)
+    WidenedProducts.count += 1
+    out_features, in_features = qweight.shape
+    step = max(1, WIDEN_BLOCK_WEIGHTS // in_features)
+    scratch = getattr(_WIDEN, "scratch", None)
+    need = min(out_features, step) * in_features
+    if scratch is None or scratch.numel() < need:
+        scratch = _WIDEN.scratch = torch.empty(need, dtype=torch.bfloat16)
+    padded = widened_rows(rows)
+    if padded > rows:
+        x = torch.cat([x, x.new_zeros((padded - rows, in_features))])
+    if out_features <= step:
+        wide = scratch[:weights].view(out_features, in_features).copy_(qweight)
+        return torch.mm(x, wide.t())[:rows].mul_(qscale)
+    out = x.new_empty((rows, out_features))
+    for lo in range(0, out_features, step):
+        hi = min(lo + step, out_features)
+        wide = scratch[:(hi - lo) * in_features].view(hi - lo, in_features).copy_(qweight[lo:hi])
+        out[:, lo:hi] = torch.mm(x, wide.t())[:rows].mul_(qscale[lo:hi])
+    return out
+
+
 def int8_product(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """:class:`Int8Linear`'s product ``x @ (qweight · qscale)ᵀ (+ bias)`` by torch's weight-only int8
-    kernel, over bfloat16 activations (cast there and back); any slice of the output rows too."""
+    kernel (:func:`int8_matmul`), over bfloat16 activations (cast there and back); any slice of the
+    output rows too."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     if flat.dtype != torch.bfloat16 or not flat.is_contiguous():
         flat = flat.to(torch.bfloat16).contiguous()
-    out = torch.ops.aten._weight_int8pack_mm(flat, qweight, qscale)
+    out = int8_matmul(flat, qweight, qscale)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], qweight.shape[0]).to(x.dtype)

@@ -14,6 +14,7 @@ from torch import nn  # noqa: E402
 from moetray.engine.experts import load_offloaded_model  # noqa: E402
 from moetray.engine.models.precision import (  # noqa: E402
     Int8Linear,
+    WidenedProducts,
     apply_format,
     quantize_linears,
     route_single_row_steps,
@@ -66,6 +67,49 @@ def test_int8_model_stays_close_to_float32_and_reads_one_byte_per_dense_weight(t
     got = _logits(model, ids)
     spread = float(ref.std())
     assert float((got - ref).abs().max()) < 0.25 * spread + 0.05
+    assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8
+
+
+def test_an_int8_product_of_many_rows_widens_the_weight_to_the_kernels_values(monkeypatch):
+    """Past the rows where the int8 kernel's per-row cost loses, the weight is widened (exact)
+    and multiplied by oneDNN: the result is the kernel's up to one more bfloat16 rounding, and a
+    weight larger than a block is widened block by block to the same values."""
+    from moetray.engine.experts.int8 import Int8Weight, int8_gemm
+    from moetray.engine.models import precision
+
+    torch.manual_seed(0)
+    q = Int8Linear(nn.Linear(512, 384, bias=True))
+    x = torch.randn(300, 512, dtype=torch.bfloat16)
+    kernel = torch.ops.aten._weight_int8pack_mm(x, q.qweight, q.qscale).float() + q.bias.float()
+    before = WidenedProducts.count
+    got = q(x).float()
+    assert WidenedProducts.count == before + 1
+    assert float((got - kernel).abs().max()) <= 2 ** -7 * float(kernel.abs().max())
+    monkeypatch.setattr(precision, "WIDEN_BLOCK_WEIGHTS", 512 * 100)  # four blocks of output channels
+    precision._WIDEN.scratch = None
+    assert torch.equal(q(x).float(), got) and WidenedProducts.count == before + 2
+    # The grouped experts' int8 product widens a large group the same way; a decode step's rows do not.
+    weight = Int8Weight(q.qweight, q.qscale)
+    assert torch.equal((int8_gemm(x, weight) + q.bias).float(), got)
+    assert WidenedProducts.count == before + 3
+    int8_gemm(x[:4], weight)
+    assert WidenedProducts.count == before + 3
+
+
+def test_an_int8_models_long_prompt_widens_its_dense_products(tiny_moe):
+    """Served as int8, a long prompt's attention and LM-head products widen the weight, and the
+    logits stay as close to float32 as the kernel's. Prevents: the int8 linear computing long
+    prompts row after row (measured on the demo: a ~4,500-token prompt's first token 10 s so,
+    5 s widened)."""
+    path = tiny_moe("qwen3_moe", "per_expert")
+    ids = [3 + i % 300 for i in range(700)]  # a 64×64 weight widens from ~620 rows
+    ref = _logits(_load(path, torch.float32)[0], ids)
+    model, _ = _load(path, torch.bfloat16)
+    quantize_linears(model)
+    before = WidenedProducts.count
+    got = _logits(model, ids)
+    assert WidenedProducts.count > before
+    assert float((got - ref).abs().max()) < 0.25 * float(ref.std()) + 0.05
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8
 
 

@@ -13,6 +13,8 @@ from moetray.policy.precision import (
     FormatRefused,
     choose_format,
     native_16bit,
+    widened_rows,
+    widens_int8_product,
 )
 
 pytestmark = pytest.mark.unit
@@ -117,3 +119,41 @@ def test_a_quantized_file_on_cuda_serves_bfloat16_and_an_explicit_dtype_wins():
                          quantized="Q8_0").weights == "bfloat16"
     assert choose_format("float32", device_kind="cpu", checkpoint_dtype=None, cpu_features=ZEN4,
                          quantized="Q8_0").weights == "float32"
+
+
+# --- int8 products: the int8 kernel for a few rows, the widened weight for many -----------------
+
+ATTENTION = 576 * 576  # the demo's q/o projections
+EXPERT = 128 * 576  # one 64-neuron expert's gate and up projections
+
+
+def test_a_decode_steps_rows_keep_the_int8_kernel():
+    assert not any(widens_int8_product(rows, ATTENTION) for rows in range(1, 9))
+
+
+def test_a_prefills_rows_widen_the_weight():
+    assert widens_int8_product(27, ATTENTION)
+    assert widens_int8_product(4096, EXPERT)
+
+
+def test_a_small_weight_needs_more_rows_to_widen():
+    assert widens_int8_product(27, ATTENTION) and not widens_int8_product(27, EXPERT)
+
+
+@given(st.integers(1, 4096), st.integers(1, 1 << 26))
+def test_more_rows_never_turn_a_widened_product_back(rows, weights):
+    if widens_int8_product(rows, weights):
+        assert widens_int8_product(rows + 1, weights)
+
+
+def test_a_widened_products_rows_pad_to_a_power_of_two():
+    assert [widened_rows(r) for r in (1, 16, 17, 27, 64, 1000)] == [1, 16, 32, 32, 64, 1024]
+
+
+def test_past_the_step_widened_rows_pad_to_a_multiple_of_it():
+    assert widened_rows(1025) == 2048 and widened_rows(3000) == 3072
+
+
+@given(st.integers(1, 100_000))
+def test_widened_rows_cover_the_rows_and_at_most_double_them(rows):
+    assert rows <= widened_rows(rows) <= 2 * rows
