@@ -141,8 +141,9 @@ def widens_int8_product(rows: int, weights: int) -> bool:
     product's cost hardly grows with the rows. So a decode step (a few rows) keeps the int8 kernel
     and a prefill (tens to thousands of rows) widens: on the demo's 576×576 attention weights from
     about 19 rows, on a 64-neuron expert's 128×576 weight from about 45 (its rows are the tokens
-    routed to it). Widening rounds the result twice (the product's bfloat16, then the scale), one
-    more rounding than the kernel's, within the lossy int8 format's budget."""
+    routed to it); with the weights cold in memory, as a prefill reads them, the crossovers measured
+    within a few rows of these. Widening rounds the result twice (the product's bfloat16, then the
+    scale), one more rounding than the kernel's, within the lossy int8 format's budget."""
     kernel_ps = rows * weights * INT8_KERNEL_PS_PER_ROW_WEIGHT
     return kernel_ps > WIDEN_FIXED_US * 1_000_000 + weights * WIDEN_PS_PER_WEIGHT
 

@@ -53,8 +53,23 @@ PROMPTS = [
     "List three uses of a paperclip, one per line.",
     "What is the capital of France, and what river runs through it?",
 ]
+LONG_PROMPT_WORDS = 600
+"""Words of the long prompt (``--long-prompt-words``; ~1,200 tokens of the demo's tokenizer): a
+pasted document's prefill, where the short prompts' first token mostly measures a prefix-cache hit."""
+
+
+def long_prompt(words: int) -> str:
+    """A prompt of ``words`` numbered words sharing no prefix with :data:`PROMPTS`, the same for both
+    servers."""
+    vocabulary = ("river", "stone", "lantern", "harbor", "meadow", "copper", "signal", "orchard")
+    body = " ".join(f"{vocabulary[(i * 5) % len(vocabulary)]}{i % 10}" for i in range(words))
+    return f"Summarize these field notes in one line: {body}."
+
+
 LLAMA_CONTEXT = 2048
 """llama.cpp's context per request (llama-cpp-python's ``n_ctx``; llama-server gets one per slot)."""
+LONG_TOKENS = 4
+"""Tokens asked of the long prompt: its first token is what is measured."""
 RSS_GOAL_RATIO = 1.3
 RSS_GOAL = "rss_le_1.3x"
 """The goal's name in receipts (``bench decode``'s too): moetray's RSS ≤ 1.3 × llama.cpp's."""
@@ -67,11 +82,11 @@ cfg = json.loads(sys.argv[1])
 llm = Llama(model_path=cfg["model"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
             n_ctx=cfg["n_ctx"], verbose=False, seed=0)
 lock = threading.Lock()
-def one(prompt):
+def one(prompt, tokens=cfg["tokens"]):
     msgs = [{"role": "user", "content": prompt}]
     with lock:  # one Llama decodes one sequence at a time
         t0 = time.perf_counter(); first = None; n = 0
-        for chunk in llm.create_chat_completion(msgs, max_tokens=cfg["tokens"], temperature=0.0, stream=True):
+        for chunk in llm.create_chat_completion(msgs, max_tokens=tokens, temperature=0.0, stream=True):
             if chunk["choices"][0]["delta"].get("content"):
                 n += 1
                 if first is None:
@@ -86,6 +101,8 @@ for conc in cfg["concurrency"]:
     ts = [threading.Thread(target=lambda p=p: results.append(one(p))) for p in cfg["prompts"][:conc]]
     [t.start() for t in ts]; [t.join() for t in ts]
     out[str(conc)] = {"requests": results, "wall_s": time.perf_counter() - start}
+if cfg["long_prompt"]:
+    out["long"] = one(cfg["long_prompt"], LONG_TOKENS)
 out["rss"] = psutil.Process().memory_info().rss
 print(json.dumps(out))
 """
@@ -119,6 +136,27 @@ def _summary(runs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+LONG_TTFT_GOAL = "long_prompt_ttft_le_1.0x"
+"""The goal's name in receipts: moetray's first token of the long prompt no later than llama.cpp's."""
+
+
+def long_prompt_ttft(llama: dict[str, Any], ours: dict[str, Any], words: int) -> dict[str, Any]:
+    """The long prompt's first-token times (ms), their ratio and whether the goal is met."""
+    a, b = ours["ttft"] * 1e3, llama["ttft"] * 1e3
+    return {"words": words, "llama_cpp_ttft_ms": b, "moetray_ttft_ms": a, "ratio": a / b, "met": a <= b}
+
+
+def long_prompt_note(long: dict[str, dict[str, Any]]) -> str:
+    if not long:
+        return "Long prompt: not measured (--long-prompt-words 0)."
+    cells = "; ".join(f"{label}: llama.cpp {v['llama_cpp_ttft_ms']:.0f} ms, moetray "
+                      f"{v['moetray_ttft_ms']:.0f} ms ({v['ratio']:.2f}×)" for label, v in long.items())
+    met = "met" if all(v["met"] for v in long.values()) else "NOT met"
+    words = next(iter(long.values()))["words"]
+    return (f"Goal {LONG_TTFT_GOAL} (first token of one {words}-word prompt after the rounds, sharing no "
+            f"prefix with them, moetray's no later than llama.cpp's): {met}: {cells}.")
+
+
 def _run_llama(model: Path, args) -> dict[str, Any]:
     cfg = {
         "model": str(model),
@@ -127,9 +165,10 @@ def _run_llama(model: Path, args) -> dict[str, Any]:
         "tokens": args.tokens,
         "prompts": PROMPTS,
         "concurrency": args.concurrency,
+        "long_prompt": long_prompt(args.long_prompt_words) if args.long_prompt_words else None,
     }
     done = subprocess.run(
-        [sys.executable, "-c", _LLAMA_CHILD, json.dumps(cfg)],
+        [sys.executable, "-c", f"LONG_TOKENS = {LONG_TOKENS}\n" + _LLAMA_CHILD, json.dumps(cfg)],
         env=peer_env(),
         capture_output=True,
         text=True,
@@ -181,6 +220,8 @@ def _drive(url: str, args) -> dict[str, Any]:
         for t in threads:
             t.join()
         out[str(conc)] = {"requests": results, "wall_s": time.perf_counter() - start}
+    if args.long_prompt_words:
+        out["long"] = _stream_one(url, long_prompt(args.long_prompt_words), LONG_TOKENS)
     return out
 
 
@@ -380,6 +421,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--types", default="F16,Q8_0", help="with the demo: the GGUF types to export and compare")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--long-prompt-words", type=int, default=LONG_PROMPT_WORDS,
+                   help="words of the long prompt whose first token is timed after the rounds (0: none)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--moe-capacity", default="100%", help="moetray's expert slots (default: every expert)")
     p.add_argument("--dtype", default=None, help="moetray serve's --dtype (default: its own default, auto)")
@@ -414,7 +457,7 @@ def main(argv: list[str]) -> int:
         )
         return 0
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moetray-bench-peer-"))
-    rows, table, rss = [], [], {}
+    rows, table, rss, long = [], [], {}, {}
     files = _files(args, workdir)
     for label, path in files:
         for setting, n_cpu_moe, capacity in _settings(args):
@@ -426,6 +469,10 @@ def main(argv: list[str]) -> int:
             ls, ms = _summary(llama), _summary(ours)
             if n_cpu_moe is None:
                 rss[label] = rss_goal(ours["rss"], llama["rss"], ours.get("dtype"))
+                if "long" in ours and "long" in llama:
+                    long[label] = long_prompt_ttft(llama["long"], ours["long"], args.long_prompt_words)
+                    _progress(f"  long prompt: TTFT llama.cpp {long[label]['llama_cpp_ttft_ms']:.0f} vs "
+                              f"moetray {long[label]['moetray_ttft_ms']:.0f} ms")
             for conc in map(str, args.concurrency):
                 row = {
                     "file": label,
@@ -475,7 +522,7 @@ def main(argv: list[str]) -> int:
             "offload": args.offload or None,
             "files": [label for label, _ in files],
         },
-        results={"rows": rows, "goals": {RSS_GOAL: goal}},
+        results={"rows": rows, "goals": {RSS_GOAL: goal, LONG_TTFT_GOAL: long}},
         columns=[
             "file", "setting", "concurrency", "llama.cpp decode tok/s", "moetray decode tok/s",
             "moetray ÷ llama.cpp", "llama.cpp aggregate tok/s", "moetray aggregate tok/s",
@@ -493,6 +540,7 @@ def main(argv: list[str]) -> int:
             "Device MiB: NVML's figure for the server's process where the driver names it, else the "
             "GPU's memory in use while it served over before it started (— without an NVIDIA GPU).",
             rss_goal_note(goal),
+            long_prompt_note(long),
             f"reproduce: `.venv/bin/moetray bench peer {shlex.join(_without_workdir(argv))}`",
         ],
     )

@@ -102,3 +102,17 @@ def test_a_round_against_a_peer_that_died_says_how_it_died():
     with pytest.raises(RuntimeError, match="the server died during the round .*SIGILL"):
         run_client(f"http://127.0.0.1:{free_port()}", "peer", concurrency=1, max_tokens=2, tag="t",
                    warm_up=False, server=dead)
+
+
+def test_the_long_prompt_shares_no_prefix_with_the_rounds_prompts_and_has_its_words():
+    text = peer.long_prompt(400)
+    assert not any(text[:20] == p[:20] for p in peer.PROMPTS)
+    assert len(text.split()) == 400 + 7 and peer.long_prompt(400) == text  # the same for both servers
+
+
+def test_the_long_prompt_goal_is_met_only_when_moetrays_first_token_is_no_later():
+    faster = peer.long_prompt_ttft({"ttft": 2.0}, {"ttft": 1.0}, 400)
+    slower = peer.long_prompt_ttft({"ttft": 1.0}, {"ttft": 2.0}, 400)
+    assert faster["met"] and faster["ratio"] == 0.5 and not slower["met"]
+    assert "NOT met" in peer.long_prompt_note({"a": faster, "b": slower})
+    assert ": met:" in peer.long_prompt_note({"a": faster}) and "not measured" in peer.long_prompt_note({})
