@@ -7,9 +7,12 @@ A row is then bytes: per projection the int8 matrix in ``[out, in]`` layout, its
 its bias (bfloat16) when the family has one, each at a 64-byte boundary. A slot fill copies
 those bytes as they are, and the grouped path computes each routed expert's group straight
 from its slot with torch's weight-only int8 kernel (``aten._weight_int8pack_mm``, bfloat16
-activations): nothing is ever widened back to 16 bits, so a decode step reads half the
+activations): a decode step never widens them back to 16 bits, so it reads half the
 bytes of bfloat16 experts, and the kernel's fixed cost for a small matrix is lower too
-(a 576×64 down projection: about 4 µs against 14 µs in bfloat16 on an AVX512-BF16 CPU).
+(a 576×64 down projection: about 4 µs against 14 µs in bfloat16 on an AVX512-BF16 CPU). A
+prefill's group of many rows is the exception: the kernel's time grows with the rows, and past
+:func:`~moetray.policy.precision.widens_int8_product`'s crossover the group's weight is widened
+(exactly) for oneDNN's bfloat16 product instead.
 
 Lossy by design: the receipt of `moetray bench decode` states the logit bound against
 float32. Only the grouped compute mode reads int8 rows (the eager-exact mode is refused).
