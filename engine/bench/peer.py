@@ -98,15 +98,15 @@ for conc in cfg["concurrency"]:
     results = [one(p, start) for p in cfg["prompts"][:conc]]
     out[str(conc)] = {"requests": results, "wall_s": time.perf_counter() - start}
 if cfg["long_prompt"]:
-    out["long"] = one(cfg["long_prompt"], time.perf_counter(), LONG_TOKENS)
+    out["long"] = one(cfg["long_prompt"], time.perf_counter(), cfg["long_tokens"])
 out["rss"] = psutil.Process().memory_info().rss
 print(json.dumps(out))
 """
 """llama-cpp-python's side of a run, in a child of its own. One ``Llama`` decodes one sequence at a
 time, so a round's requests are answered one after another, each first token timed from the round's
 start (when a server would have received them all). They run on the child's main thread: called from
-another thread, llama.cpp decoded the demo ~3× slower (measured: 22 against 74 tok/s, Q8_0, 2 threads;
-its OpenMP threads), which every earlier receipt of this bench took as llama.cpp's speed."""
+another thread, llama.cpp decoded the demo ~3× slower on this project's third 2-core host (22 against 74
+tok/s, Q8_0, 2 threads), and earlier receipts of this bench, which called it so, took that as its speed."""
 
 
 def _progress(msg: str) -> None:
@@ -167,9 +167,10 @@ def _run_llama(model: Path, args) -> dict[str, Any]:
         "prompts": PROMPTS,
         "concurrency": args.concurrency,
         "long_prompt": long_prompt(args.long_prompt_words) if args.long_prompt_words else None,
+        "long_tokens": LONG_TOKENS,
     }
     done = subprocess.run(
-        [sys.executable, "-c", f"LONG_TOKENS = {LONG_TOKENS}\n" + _LLAMA_CHILD, json.dumps(cfg)],
+        [sys.executable, "-c", _LLAMA_CHILD, json.dumps(cfg)],
         env=peer_env(),
         capture_output=True,
         text=True,
