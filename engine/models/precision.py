@@ -125,15 +125,12 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor) ->
     padded = widened_rows(rows)
     if padded > rows:
         x = torch.cat([x, x.new_zeros((padded - rows, in_features))])
-    if out_features <= step:
-        wide = scratch[:weights].view(out_features, in_features).copy_(qweight)
-        return torch.mm(x, wide.t())[:rows].mul_(qscale)
-    out = x.new_empty((rows, out_features))
+    blocks = []
     for lo in range(0, out_features, step):
         hi = min(lo + step, out_features)
         wide = scratch[:(hi - lo) * in_features].view(hi - lo, in_features).copy_(qweight[lo:hi])
-        out[:, lo:hi] = torch.mm(x, wide.t())[:rows].mul_(qscale[lo:hi])
-    return out
+        blocks.append(torch.mm(x, wide.t())[:rows].mul_(qscale[lo:hi]))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
 
 def int8_product(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor,
