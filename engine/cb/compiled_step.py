@@ -36,6 +36,7 @@ import torch
 
 from moetray.engine.cb.one_row import (
     OneRowHead,
+    OneRowMatmuls,
     compilation_failure,
     install_one_query_attention,
     install_one_row_products,
@@ -144,7 +145,8 @@ class CompiledDecodeStep:
         # Sizes turn symbolic as they vary; a few graphs per thread count (the limit is this region's).
         self.graph = compile_region(
             _own_code(self.eager), fullgraph=True, recompile_limit=STEP_GRAPHS,
-            options={"guard_filter_fn": self._filter_guards, **UNCHECKED_WRAPPER})
+            options={"guard_filter_fn": self._filter_guards, **UNCHECKED_WRAPPER,
+                     "post_grad_custom_post_pass": OneRowMatmuls()})
         self.reason: str | None = None  # why steps run eagerly; None while the graph serves
         self.compiled_steps = 0
         self.eager_steps = 0

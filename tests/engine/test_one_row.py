@@ -126,15 +126,56 @@ async def _decode_through_the_step(off, tok, traced: list[tuple]):
     return step
 
 
+@pytest.fixture
+def uncached_compilation():
+    """Compile for real: a graph served from inductor's caches skips the post-grad passes."""
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.usefixtures("uncached_compilation")
+def test_one_row_half_matmuls_become_a_multiply_and_sum(dtype):
+    """The step's pass replaces a statically one-row 16-bit ``mm`` (a router's ``F.linear`` on a
+    bare weight): no library call left, the value within one 16-bit step; four rows and float32
+    keep the library's product. Prevents: the pattern never matching, or matching a batch."""
+    torch.manual_seed(3)
+    w = torch.randn(16, 96, dtype=dtype)
+
+    def router(x, w):
+        return F.linear(x, w).float().softmax(-1)
+
+    def compiled(x, w) -> tuple[torch.Tensor, str]:
+        fn = torch.compile(router, fullgraph=True, dynamic=False,
+                           options={"post_grad_custom_post_pass": one_row.OneRowMatmuls()})
+        out, code = run_and_get_code(fn, x, w)
+        return out, "\n".join(code)
+
+    before = one_row.OneRowMatmuls.replaced
+    x = torch.randn(1, 96, dtype=dtype)
+    got, code = compiled(x, w)
+    assert one_row.OneRowMatmuls.replaced == before + 1 and "extern_kernels.mm" not in code
+    torch.testing.assert_close(got, router(x, w), rtol=0, atol=2 ** -7)
+    for rows, weight in ((torch.randn(4, 96, dtype=dtype), w), (torch.randn(1, 96), w.float())):
+        _, code = compiled(rows, weight)
+        assert "extern_kernels.mm" in code
+    assert one_row.OneRowMatmuls.replaced == before + 1
+
+
+@pytest.mark.usefixtures("uncached_compilation")
 async def test_a_half_precision_decode_step_takes_the_one_row_paths(tiny, tiny_moe, monkeypatch):
     """bfloat16 tiny MoE with the compiled step: the start-up compilation traces one-query
-    attention as multiply-and-sums, the decoder's linears are routed, and every decode step's LM
-    head takes the compiled one-row product. Prevents: the attention, the linears' routing or the
-    head's router never wired (each is a counter or a check that stays put)."""
+    attention as multiply-and-sums and turns each layer's router product into one (the step's
+    post-grad pass), the decoder's linears are routed, and every decode step's LM head takes the
+    compiled one-row product. Prevents: the attention, the routers' pass, the linears' routing or
+    the head's router never wired (each is a counter or a check that stays put)."""
     traced = _counting(monkeypatch, "one_query_attention")
     off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8)
     off.runtime.warm_up()  # the experts' kernel serves, as where the engine installs the step
+    routers = one_row.OneRowMatmuls.replaced
     step = await _decode_through_the_step(off, tiny[1], traced)
+    assert one_row.OneRowMatmuls.replaced - routers >= off.model.config.num_hidden_layers
     linears = [m for m in off.model.model.modules() if type(m) is nn.Linear]
     assert linears and all(m.forward.__func__ is one_row._traced_linear for m in linears)
     assert not step.head.int8
