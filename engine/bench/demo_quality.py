@@ -258,7 +258,10 @@ def main(argv: list[str]) -> int:
                      f"{equivalence['max_abs_logit_diff']:.4f}, argmax agreement "
                      f"{equivalence['argmax_agreement']:.2%}.")
     for name, answers in chats.items():
-        notes.append(f"Chat, {name}: " + " | ".join(a.replace("\n", " ")[:160] for a in answers))
+        # Both models compute in float32 here; a served default (`--dtype auto`: bfloat16 on CPUs
+        # that compute it) answers differently, as `moetray bench decode`'s quality notes measure.
+        notes.append(f"Chat, {name} (float32, greedy): "
+                     + " | ".join(a.replace("\n", " ")[:160] for a in answers))
     for k, trace in traces.items():
         notes.append(f"Trace k={k}: {len(trace['tokens'])} tokens, consecutive-token reuse "
                      f"{trace['consecutive_reuse']:.2f} (chance {trace['chance_reuse']:.2f}); "
