@@ -142,8 +142,10 @@ class OneRowMatmuls(CustomGraphPass):
     (``F.linear`` on a bare weight: an MoE router's gate) becomes a float32 multiply-and-sum.
     Measured on the demo (int8, batch 1, 2 cores): the router's product was a library call of
     ~35-40 µs between two kernels (4 µs when repeated back to back: the cost is the boundary, with
-    caches cold after a layer's kernels), ~1.1 ms of a ~19 ms step over 30 layers; fused, it
-    disappears into the router's softmax kernel. Counts the products it replaced (at compile time)."""
+    caches cold after a layer's kernels), ~1.1 ms of a ~19 ms step over 30 layers; fused into the
+    router's softmax kernel, two servers in one process, interleaved: 24.5 against 26.8 ms a token
+    (medians of 6 paired rounds, every round faster). Counts the products it replaced (at compile
+    time: a graph from inductor's cache is not passed again)."""
 
     replaced = 0
 
