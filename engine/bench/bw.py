@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moetray.engine.bench.results import write_receipt
+from moetray.engine.bench.results import receipt_name, write_receipt
 from moetray.engine.experts.hybrid import cache_directory, device_identity
 from moetray.engine.experts.slots import SlotPool
 from moetray.policy.moe.bench_profile import BandwidthProfile, save_profile
@@ -123,7 +123,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="per measurement")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all)")
     parser.add_argument("--profile-dir", default=None, help="default: $MOETRAY_CACHE_DIR or the user cache")
-    parser.add_argument("--receipt", default=None, help="receipt name (default: bw or bw-cuda)")
+    parser.add_argument("--receipt", default=None, type=receipt_name,
+                        help="receipt name (default: bw or bw-cuda)")
     parser.add_argument("--no-profile", action="store_true", help="measure and report only")
     args = parser.parse_args(argv)
 

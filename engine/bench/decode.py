@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetray.engine import serve as _serve  # noqa: F401 - sets OMP_WAIT_POLICY before torch loads
 from moetray.engine.bench.peer import RSS_GOAL, rss_goal_from_receipt
+from moetray.engine.bench.results import receipt_name
 from moetray.engine.bench.targets import (
     LlamaServer,
     ServedEngine,
@@ -356,7 +357,7 @@ def parser() -> argparse.ArgumentParser:
                    "and the GGUF exporter are installed")
     p.add_argument("--no-llama", action="store_true", help="no llama.cpp peer")
     p.add_argument("--no-quality", action="store_true", help="skip the logit comparison against float32")
-    p.add_argument("--receipt", default="decode")
+    p.add_argument("--receipt", default="decode", type=receipt_name)
     return p
 
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from moetray.engine.bench.results import write_receipt
+from moetray.engine.bench.results import receipt_name, write_receipt
 from moetray.engine.experts import load_offloaded_model, load_resident_model
 from moetray.engine.experts.loader import expert_modules
 from moetray.engine.experts.slots import LinkThrottle
@@ -256,7 +256,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--skip-accelerate", action="store_true")
     parser.add_argument("--fetch-fraction", type=float, default=None,
                         help="q* fraction for moetray (default: this device's bandwidth profile, if any)")
-    parser.add_argument("--receipt", default=None, help="default: engine, or engine-trace with --trace")
+    parser.add_argument("--receipt", default=None, type=receipt_name,
+                        help="default: engine, or engine-trace with --trace")
     parser.add_argument("--trace", default=None,
                         help="replay this routing trace (moetray bench trace's JSON format); the model "
                              "takes the trace's layers, experts and top-k")

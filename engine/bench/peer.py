@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from moetray.engine.bench.exits import exit_reason
-from moetray.engine.bench.results import results_dir, write_receipt
+from moetray.engine.bench.results import receipt_name, results_dir, write_receipt
 from moetray.engine.bench.serve import Child, engine_serving
 from moetray.engine.bench.targets import peer_env
 
@@ -441,7 +441,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--workdir", default=None)
-    p.add_argument("--receipt", default="peer")
+    p.add_argument("--receipt", default="peer", type=receipt_name)
     return p
 
 

@@ -8,6 +8,7 @@ side by side in one run; a receipt never mixes hosts.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -22,6 +23,16 @@ RESULTS_DIR_ENV = "MOETRAY_BENCH_DIR"
 def results_dir() -> Path:
     """Where receipts live: ``$MOETRAY_BENCH_DIR`` or ``bench/results`` under the working directory."""
     return Path(os.environ.get(RESULTS_DIR_ENV, "bench/results"))
+
+
+def receipt_name(value: str) -> str:
+    """A ``--receipt`` argument: a name under :func:`results_dir`, refused (before a bench runs
+    for minutes and fails when it writes) where it is a path or a file name."""
+    if not value or "/" in value or os.sep in value or value.endswith(".json") or value.startswith("."):
+        raise argparse.ArgumentTypeError(
+            f"a receipt is a name, written as {results_dir()}/NAME.json (set ${RESULTS_DIR_ENV} for "
+            f"another folder), such as 'decode'; got {value!r}")
+    return value
 
 
 def host_spec() -> dict[str, Any]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from expert_helpers import isolated_profile_dir, one_torch_thread  # noqa: F401 (autouse fixtures)
 
-from moetray.engine.bench import bw, offload
-from moetray.engine.bench.results import RESULTS_DIR_ENV
+from moetray.engine.bench import bw, decode, offload, peer
+from moetray.engine.bench.results import RESULTS_DIR_ENV, receipt_name, write_receipt
 from moetray.engine.experts.hybrid import lookup_profile, resolve_qstar
 
 
@@ -59,8 +60,6 @@ def test_bench_decode_states_the_rss_goal_bench_peer_measured(tmp_path, monkeypa
     """`bench decode`'s engines share its process, so its RSS goal is the one `bench peer` measured
     (moetray serve and llama.cpp in children of their own), named with its receipt; with no peer
     receipt it is None with a note, never a number. Prevents: the goal read as met or as 0."""
-    from moetray.engine.bench import decode, peer
-    from moetray.engine.bench.results import write_receipt
 
     monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path / "results"))
     absent = decode.goals([], None)[peer.RSS_GOAL]
@@ -96,3 +95,16 @@ def test_a_peer_starts_with_the_users_openmp_wait_policy_not_moetrays(monkeypatc
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own: moetray set nothing
     monkeypatch.setattr(engine_serve, "MOETRAY_OPENMP", {})
     assert peer_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+@pytest.mark.parametrize("bench", [bw, decode, offload, peer])
+def test_a_receipt_given_as_a_path_is_refused_before_the_bench_runs(bench, tmp_path, monkeypatch, capsys):
+    """``--receipt /tmp/x.json`` names no receipt (it would fail minutes later, when written): the
+    argument is refused by name at parsing, and nothing is written. Prevents: a path joined under
+    the results folder at the end of a run."""
+    monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path))
+    for bad in ("/tmp/d1.json", "d1.json", "sub/d1", ".hidden"):
+        with pytest.raises(SystemExit) as refused:
+            bench.main(["--receipt", bad])
+        assert refused.value.code == 2 and "a receipt is a name" in capsys.readouterr().err
+    assert receipt_name("decode") == "decode" and not list(tmp_path.iterdir())
