@@ -5,9 +5,10 @@ residuals, the router) per layer, and in eager mode their Python dispatch costs 
 arithmetic. Compiled, the decoder is one graph: the elementwise work is fused into a few C++
 kernels and the projections are called back to back. Two parts cannot be traced and are opaque
 operators in the graph: a layer's routed experts (``moetray::experts``,
-``engine/experts/opaque.py``) and the paged KV write and read-back (``moetray::paged_kv`` below;
-the substrate's own ``PagedAttentionCache.update`` is ``torch.compiler.disable``-d, which would
-split the graph at every layer).
+``engine/experts/opaque.py``; where the experts' kernel serves, only the planning of a call that
+misses: ``engine/experts/resident.py``, whose calls that hit the step settles after it) and the
+paged KV write and read-back (``moetray::paged_kv`` below; the substrate's own
+``PagedAttentionCache.update`` is ``torch.compiler.disable``-d, which would split the graph at every layer).
 
 Rules:
 - Only steps of at most ``max_tokens`` query tokens that read cached KV (a decode step, a small
@@ -43,6 +44,7 @@ from moetray.engine.cb.one_row import (
 )
 from moetray.engine.cb.state import StateGeometry
 from moetray.engine.compiling import UNCHECKED_WRAPPER, compile_region
+from moetray.engine.experts.runtime import runtimes_in
 from moetray.policy.step_threads import step_threads
 
 log = logging.getLogger(__name__)
@@ -142,6 +144,8 @@ class CompiledDecodeStep:
         self.max_tokens = max_tokens
         self.head = head  # the LM head's one-row products (engine/cb/one_row.py): half precision or int8
         self.eager = decoder.forward
+        # The experts runtimes whose slot tables the graph reads: each settles a step's calls after it.
+        self.runtimes = runtimes_in(decoder)
         # Sizes turn symbolic as they vary; a few graphs per thread count (the limit is this region's).
         self.graph = compile_region(
             _own_code(self.eager), fullgraph=True, recompile_limit=STEP_GRAPHS,
@@ -178,11 +182,15 @@ class CompiledDecodeStep:
         try:
             out = self.graph(*args, **kwargs)
         except Exception as exc:  # a compilation failing now: serve eagerly from here on
+            for runtime in self.runtimes:
+                runtime.resident.forget_step()
             self._refuse(exc)
             self.eager_steps += 1
             return self.eager(*args, **kwargs)
         finally:
             _STEP.cache = None
+        for runtime in self.runtimes:
+            runtime.settle_step()
         self.compiled_steps += 1
         return out
 

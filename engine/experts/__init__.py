@@ -28,6 +28,8 @@ Public API (stable; the engine server calls these)::
     ExpertRuntime.op_key                               its name in a compiled decode step's graph: a
                                                        layer's experts there are the opaque operator
                                                        ``moetray::experts`` (``opaque.py``)
+    ExpertRuntime.settle_step()                        after a compiled step: the planner sees the calls
+                                                       its slot table served (``resident.py``)
     ExpertRuntime.capacity                             slots in the pool now
     ExpertRuntime.bytes_per_slot                       device bytes per slot (one expert)
     ExpertRuntime.resize(capacity, mark_teardown=None) -> dict

@@ -183,7 +183,8 @@ class FusedExperts:
                *, kernel: Callable[..., torch.Tensor] = _experts) -> torch.Tensor:
         """The kernel's arithmetic on this pool. Called from a compiled decode step's trace, it is
         part of that graph (no compiled call of its own, no guards per layer); the slots come from
-        the step's ``moetray::expert_slots``, which counts the call."""
+        the step's slot table or ``moetray::expert_slots`` (``resident.py``), and the call is counted
+        when the planner sees it."""
         v = self.views
         return kernel(module, states, slots, weights, v.first, v.first_scale, v.first_bias,
                       v.down, v.down_scale, v.down_bias, self.geometry.has_gate, self.transposed)

@@ -51,34 +51,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moetray.engine.experts.eager import eager_expert, select_rows
 from moetray.engine.experts.fused import FUSED_MAX_TOKENS, FusedExperts, compile_kernel, fused_refusal
 from moetray.engine.experts.grouped import Operands, grouped_output, operands, project
-from moetray.engine.experts.hf import (
-    DEFAULT_APPLY_GATE,
-    ExpertsModule,
-    padded_grouped_output,
-    register_experts_function,
-)
+from moetray.engine.experts.hf import ExpertsModule, padded_grouped_output, register_experts_function
 from moetray.engine.experts.int8 import Int8ExpertStore, Int8Weight, int8_gemm
-from moetray.engine.experts.opaque import expert_slots_op, experts_op
+from moetray.engine.experts.opaque import experts_op
 from moetray.engine.experts.opaque import register as register_op_key
+from moetray.engine.experts.resident import ResidentSlots
 from moetray.engine.experts.slots import LinkThrottle, SlotPool, TorchSlotDevice
 from moetray.engine.experts.store import ExpertStore, unpack_row
-from moetray.policy.moe.expert_cache import DEFAULT_POLICY, ExpertCache
+from moetray.policy.moe.expert_cache import DEFAULT_POLICY, CacheIntegrityError, ExpertCache
 from moetray.policy.moe.expert_slots import ExpertSlots, SlotDeviceError
 from moetray.policy.refused import Refused
 
-__all__ = [
-    "COMPUTE_MODES",
-    "DEFAULT_COMPUTE",
-    "IMPLEMENTATION_NAME",
-    "ExpertRuntime",
-    "ResizeFault",
-    "UnknownComputeMode",
-    "check_compute",
-    "moetray_experts_forward",
-    "register",
-]
+__all__ = ["COMPUTE_MODES", "DEFAULT_COMPUTE", "IMPLEMENTATION_NAME", "ExpertRuntime", "ResizeFault",
+           "UnknownComputeMode", "check_compute", "moetray_experts_forward", "register", "runtimes_in"]
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +148,8 @@ class ExpertRuntime:
                              throttle=self.throttle, allocate=allocate)
         self.slot_device = TorchSlotDevice(self.pool, store.row_bytes)
         self.slots = ExpertSlots(self.slot_device, store)
+        self.resident = ResidentSlots(self.num_layers, self.num_experts, max_tokens=FUSED_MAX_TOKENS,
+                                      top_k=self.top_k)  # a compiled step's slot table (resident.py)
         self._slot_views = self._unpack_slots()
         self._slot_mats = self._gemm_operands()
         self._bank_mats: dict[tuple[int, int], Operands] = {}
@@ -343,8 +333,8 @@ class ExpertRuntime:
         routing); None for expert-parallel sentinels (ids past the experts), which it does not serve.
 
         The kernel's caller computes next: in a compiled step that is the step's own graph
-        (``moetray::expert_slots``), after this returns and before the next layer plans; pools
-        are resized only between steps (the paused loop)."""
+        (:meth:`planned_slots`), after this returns and before the next layer plans; pools are
+        resized only between steps (the paused loop)."""
         pairs = top_k_index.tolist()
         routed = sorted({expert for row in pairs for expert in row})
         if routed and routed[-1] >= self.num_experts:
@@ -354,6 +344,36 @@ class ExpertRuntime:
             self._fill(layer, plan, len(pairs))
         slot_of = dict(zip(routed, plan.slots, strict=True))
         return torch.tensor([[slot_of[e] for e in row] for row in pairs], dtype=torch.long)
+
+    def planned_slots(self, layer: int, top_k_index: torch.Tensor, log: torch.Tensor) -> torch.Tensor | None:
+        """A compiled step's ``moetray::expert_slots``: the layers before ``layer`` that the step
+        served from the slot table are settled from ``log`` first, then this call is planned as
+        :meth:`fused_slots` plans it (None: expert-parallel sentinels)."""
+        with self._lock:
+            self.resident.settle(layer, log, top_k_index.shape[0], self._plan_hit)
+            slots = self.fused_slots(layer, top_k_index)
+            self.resident.settled = layer + 1
+            if slots is not None:
+                assert self.fused is not None, "a compiled step plans here only where the kernel serves"
+                self.fused.calls += 1
+            return slots
+
+    def settle_step(self) -> None:
+        """A compiled step returned: the planner sees its calls that the slot table served and it
+        has not seen yet (:mod:`~moetray.engine.experts.resident`)."""
+        with self._lock:
+            self.resident.settle_step(self._plan_hit)
+
+    def _plan_hit(self, layer: int, routed: list[int], tokens: int) -> None:
+        """Plan and record a call the slot table served: every routed expert had a slot."""
+        plan = self._plan(layer, routed)
+        if plan.misses:
+            self._fill(layer, plan, tokens)  # the pool holds what the planner says; the step is refused
+            raise CacheIntegrityError(f"layer {layer}: the slot table served {plan.misses} experts "
+                                      "the planner does not hold")
+        self._record(layer, plan, 0, tokens)
+        assert self.fused is not None, "the slot table serves only where the kernel does"
+        self.fused.calls += 1
 
     def _host_expert(self, module: ExpertsModule, ops: Operands, states: torch.Tensor) -> torch.Tensor:
         """One expert of the CPU share on a CUDA device: computed by the CPU from the host store."""
@@ -368,18 +388,24 @@ class ExpertRuntime:
     def _fill(self, layer: int, plan, tokens: int) -> None:
         """Copy the plan's misses into their slots and count the call (the lock held)."""
         moved = self.pool.bytes_copied
+        for evicted in plan.evicted:
+            self.resident.drop(*evicted)
         try:
             self.slots.apply(plan)
         except SlotDeviceError as exc:
             self._forget_plan(plan, exc)
             raise
+        for slot, expert in plan.copies:
+            self.resident.admit(layer, expert, slot)
         self._record(layer, plan, self.pool.bytes_copied - moved, tokens)
 
     def _forget_plan(self, plan, exc: SlotDeviceError) -> None:
         # The written slots are unknown, the failing one too, and the plan's later copies never
         # happened: the planner must forget every slot this plan filled.
         for slot in {*exc.unknown_slots, *(s for s, _ in plan.copies)}:
-            self.cache.forget_slot(slot)
+            lost = self.cache.forget_slot(slot)
+            if lost is not None:
+                self.resident.drop(*lost)
             self.slots.forget(slot)
 
     def _bank_operands(self, layer: int, expert: int) -> Operands:
@@ -434,19 +460,20 @@ class ExpertRuntime:
             self._fill(layer, plan, hidden_states.shape[0])
 
             computed: dict[int, torch.Tensor] = {}
+            geo, plain = self.geometry, self._plain_swiglu
             if host is not None:
                 for expert in on_cpu:
-                    _, states, weights = _select(expert, single, *host)
-                    computed[expert] = self._expert(module, self.store.weights(layer, expert),
+                    _, states, weights = select_rows(expert, single, *host)
+                    computed[expert] = eager_expert(module, geo, plain, self.store.weights(layer, expert),
                                                     states, weights)
             for expert, slot in zip(routed, plan.slots, strict=True):
-                token_idx, states, weights = _select(expert, single, hidden_states, top_k_weights,
-                                                     expert_mask)
+                token_idx, states, weights = select_rows(expert, single, hidden_states, top_k_weights,
+                                                         expert_mask)
                 if expert in computed:
                     current = computed[expert].to(hidden_states.device)
                 else:
-                    current = self._expert(module, self.store.weights(layer, expert) if slot is None
-                                           else self._slot_views[slot], states, weights)
+                    w = self.store.weights(layer, expert) if slot is None else self._slot_views[slot]
+                    current = eager_expert(module, geo, plain, w, states, weights)
                 if token_idx is None:
                     token_idx = self._first_row(hidden_states.device)
                 final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
@@ -474,25 +501,6 @@ class ExpertRuntime:
         if self.trace is not None:
             self.trace.append((layer, tuple(routed)))
         return self.cache.ensure(layer, routed, fetch_limit=fetch_limit)
-
-    def _expert(self, module: ExpertsModule, w: dict[str, torch.Tensor], current_state: torch.Tensor,
-                routing_weight: torch.Tensor) -> torch.Tensor:
-        """One expert on its tokens, in the stock eager implementation's op order."""
-        if self._plain_swiglu and type(module)._apply_gate is DEFAULT_APPLY_GATE:
-            # The stock eager loop, verbatim (the common case: Qwen, Mixtral, OLMoE, …).
-            gate, up = F.linear(current_state, w["gate_up_proj"]).chunk(2, dim=-1)
-            return F.linear(module.act_fn(gate) * up, w["down_proj"]) * routing_weight
-        geo = self.geometry
-        if geo.has_gate:
-            proj = _linear(current_state, w["gate_up_proj"], w.get("gate_up_proj_bias"), geo.is_transposed)
-            hidden = module._apply_gate(proj)  # the default: chunk(2) → act(gate) * up, as eager
-        else:
-            hidden = module.act_fn(_linear(current_state, w["up_proj"], w.get("up_proj_bias"),
-                                           geo.is_transposed))
-        hidden = _linear(hidden, w["down_proj"], w.get("down_proj_bias"), geo.is_transposed)
-        if getattr(module, "has_post_expert_norm", False):
-            hidden = module.post_expert_norm(hidden)
-        return hidden * routing_weight
 
     def _record(self, layer: int, plan, nbytes: int, tokens: int) -> None:
         self._window[layer].append((plan.hits, plan.misses, nbytes))
@@ -604,6 +612,7 @@ class ExpertRuntime:
                     self.slots.forget(slot)
                 raise
             finally:
+                self.resident.rebuild(self.cache.residency_map())
                 self._slot_views = self._unpack_slots()
                 self._slot_mats = self._gemm_operands()
                 if self.fused is not None:
@@ -624,8 +633,6 @@ class ExpertRuntime:
         that the pool has ``capacity`` rows. ``deep`` also compares each occupied slot's bytes
         with the host store's row. Mutates nothing.
         """
-        from moetray.policy.moe.expert_cache import CacheIntegrityError
-
         with self._lock:
             self.cache.check_integrity()
             if self.pool.capacity != self.cache.capacity or self.slots.slot_count != self.cache.capacity:
@@ -638,32 +645,16 @@ class ExpertRuntime:
             unknown = self.slots.unknown_slots()
             if unknown:
                 raise CacheIntegrityError(f"slots {unknown[:8]} hold unknown bytes")
+            stale = self.resident.disagreements(self.cache.residency_map())
+            if stale:
+                raise CacheIntegrityError(f"the slot table disagrees with the planner on (layer, expert) "
+                                          f"{stale[:8]} ({len(stale)} in all)")
             if deep:
                 for slot in range(self.cache.capacity):
                     owner = self.cache.occupant(slot)
                     if owner is not None and not torch.equal(
                             self.pool.rows[slot].cpu(), self.store.decoded_row(*owner).cpu()):
                         raise CacheIntegrityError(f"slot {slot} bytes differ from expert {owner}'s row")
-
-
-def _select(expert: int, single: dict[int, int] | None, states: torch.Tensor, weights: torch.Tensor,
-            mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """``(token_idx, the expert's input rows, its routing weights)`` as the eager loop gathers
-    them; for a single token, ``token_idx`` is None (row 0) and slices replace the gathers."""
-    if single is not None:
-        pos = single[expert]
-        return None, states, weights[:, pos:pos + 1]
-    assert mask is not None, "the masks exist whenever the single-token slices do not"
-    top_k_pos, token_idx = torch.where(mask[expert])
-    return token_idx, states[token_idx], weights[token_idx, top_k_pos, None]
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            transposed: bool) -> torch.Tensor:
-    if transposed:
-        out = x @ weight
-        return out + bias if bias is not None else out
-    return F.linear(x, weight, bias)
 
 
 # --- the registered experts implementation ----------------------------------------------------
@@ -679,7 +670,7 @@ def moetray_experts_forward(self: ExpertsModule, hidden_states: torch.Tensor, to
     layer = getattr(self, _LAYER_ATTR)
     if torch.compiler.is_compiling():  # a compiled decode step: plan opaquely, compute in the graph
         if runtime.kernel_serves(top_k_index):
-            slots = expert_slots_op(top_k_index, runtime.op_key, layer)
+            slots = runtime.resident.traced(top_k_index, runtime.op_key, layer)
             assert runtime.fused is not None
             return runtime.fused.traced(self, hidden_states, slots, top_k_weights)
         return experts_op(hidden_states, top_k_index, top_k_weights, runtime.op_key, layer)
@@ -698,3 +689,9 @@ def attach(modules: list[torch.nn.Module], runtime: ExpertRuntime) -> None:
         setattr(module, _LAYER_ATTR, layer)
     runtime.modules = list(modules)
     runtime.op_key = register_op_key(runtime)
+
+
+def runtimes_in(module: torch.nn.Module) -> list[ExpertRuntime]:
+    """The runtimes :func:`attach` pointed ``module``'s Experts modules at, each once."""
+    found = {id(r): r for m in module.modules() if (r := getattr(m, _RUNTIME_ATTR, None)) is not None}
+    return list(found.values())
