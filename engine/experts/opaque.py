@@ -7,9 +7,9 @@ calls this operator instead: the graph sees ``[T, H], [T, k], [T, k] → [T, H]`
 gives the shape), and at run time the kernel is the runtime's own eager ``forward`` (which runs
 the compiled decode kernel where it serves). Where that kernel serves, only the planning is
 opaque: ``moetray::expert_slots`` (``[T, k]`` routed experts, the slots the graph looked up for
-them, whether all were found, and the step's routing log → ``[T, k]`` slots; a call whose experts
-all have slots returns them, the planner sees it after the step, ``resident.py``; one that misses
-is planned and its misses copied in) and the kernel's arithmetic is traced into the step's graph
+them and whether all were found → ``[T, k]`` slots; a call whose experts all have slots returns
+them and the planner sees it later, ``resident.py``; one that misses is planned and its misses
+copied in) and the kernel's arithmetic is traced into the step's graph
 after it. The runtime is found by a small integer key the graph holds as a constant: a registry
 entry per runtime, dropped with the runtime.
 """
@@ -31,8 +31,8 @@ _KEYS = itertools.count(1)
 _LIB = torch.library.Library("moetray", "FRAGMENT")
 _LIB.define("experts(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, int runtime, int layer)"
             " -> Tensor")
-_LIB.define("expert_slots(Tensor top_k_index, Tensor looked_up, Tensor resident, Tensor routing_log,"
-            " int runtime, int layer) -> Tensor")
+_LIB.define("expert_slots(Tensor top_k_index, Tensor looked_up, Tensor resident, int runtime, int layer)"
+            " -> Tensor")
 
 
 def register(runtime: ExpertRuntime) -> int:
@@ -54,17 +54,18 @@ def _experts_shape(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
 
 
 def _expert_slots(top_k_index: torch.Tensor, looked_up: torch.Tensor, resident: torch.Tensor,
-                  routing_log: torch.Tensor, runtime: int, layer: int) -> torch.Tensor:
-    if resident.item():  # every routed expert has its slot: the planner sees the call after the step
-        return looked_up.clone()  # an operator's output may not alias its input
-    slots = _RUNTIMES[runtime].planned_slots(layer, top_k_index, routing_log)
+                  runtime: int, layer: int) -> torch.Tensor:
+    served = _RUNTIMES[runtime]
+    if resident.item():  # every routed expert has its slot: the planner sees the call later
+        return served.resident.served(layer, top_k_index, looked_up)
+    slots = served.planned_slots(layer, top_k_index)
     if slots is None:  # the step fails and reruns eagerly, where the grouped path serves them
         raise ValueError(f"layer {layer}: expert-parallel routing, which the decode kernel does not serve")
     return slots
 
 
 def _expert_slots_shape(top_k_index: torch.Tensor, looked_up: torch.Tensor, resident: torch.Tensor,
-                        routing_log: torch.Tensor, runtime: int, layer: int) -> torch.Tensor:
+                        runtime: int, layer: int) -> torch.Tensor:
     return torch.empty_like(top_k_index, dtype=torch.long)
 
 

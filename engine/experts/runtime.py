@@ -148,8 +148,7 @@ class ExpertRuntime:
                              throttle=self.throttle, allocate=allocate)
         self.slot_device = TorchSlotDevice(self.pool, store.row_bytes)
         self.slots = ExpertSlots(self.slot_device, store)
-        self.resident = ResidentSlots(self.num_layers, self.num_experts, max_tokens=FUSED_MAX_TOKENS,
-                                      top_k=self.top_k)  # a compiled step's slot table (resident.py)
+        self.resident = ResidentSlots(self.num_layers, self.num_experts)  # a compiled step's slot table
         self._slot_views = self._unpack_slots()
         self._slot_mats = self._gemm_operands()
         self._bank_mats: dict[tuple[int, int], Operands] = {}
@@ -345,24 +344,24 @@ class ExpertRuntime:
         slot_of = dict(zip(routed, plan.slots, strict=True))
         return torch.tensor([[slot_of[e] for e in row] for row in pairs], dtype=torch.long)
 
-    def planned_slots(self, layer: int, top_k_index: torch.Tensor, log: torch.Tensor) -> torch.Tensor | None:
-        """A compiled step's ``moetray::expert_slots``: the layers before ``layer`` that the step
-        served from the slot table are settled from ``log`` first, then this call is planned as
-        :meth:`fused_slots` plans it (None: expert-parallel sentinels)."""
+    def planned_slots(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor | None:
+        """A compiled step's ``moetray::expert_slots`` for a call that misses: the calls the slot
+        table served before it are settled first, then it is planned as :meth:`fused_slots` plans
+        it (None: expert-parallel sentinels)."""
         with self._lock:
-            self.resident.settle(layer, log, top_k_index.shape[0], self._plan_hit)
+            self.resident.settle(self._plan_hit)
             slots = self.fused_slots(layer, top_k_index)
-            self.resident.settled = layer + 1
             if slots is not None:
                 assert self.fused is not None, "a compiled step plans here only where the kernel serves"
                 self.fused.calls += 1
             return slots
 
     def settle_step(self) -> None:
-        """A compiled step returned: the planner sees its calls that the slot table served and it
-        has not seen yet (:mod:`~moetray.engine.experts.resident`)."""
-        with self._lock:
-            self.resident.settle_step(self._plan_hit)
+        """A compiled step returned: the planner sees the calls the slot table served that it has
+        not seen yet (:mod:`~moetray.engine.experts.resident`)."""
+        if self.resident.pending:
+            with self._lock:
+                self.resident.settle(self._plan_hit)
 
     def _plan_hit(self, layer: int, routed: list[int], tokens: int) -> None:
         """Plan and record a call the slot table served: every routed expert had a slot."""

@@ -100,7 +100,7 @@ async def test_misses_are_planned_by_the_operator_with_the_tokens_the_table_give
 
 
 def test_a_table_that_disagrees_with_the_planner_is_an_integrity_error(served):
-    """An entry the planner does not hold fails the integrity check, and a logged call the table
+    """An entry the planner does not hold fails the integrity check, and a call the table
     served from it fails when settled. Prevents: a lying table going unnoticed."""
     off, _ = served
     runtime = off.runtime
@@ -111,10 +111,10 @@ def test_a_table_that_disagrees_with_the_planner_is_an_integrity_error(served):
     try:
         with pytest.raises(CacheIntegrityError, match="slot table"):
             runtime.check_integrity()
-        resident.log[:, 0] = missing
-        resident.logged.fill_(1)
+        resident.served(1, torch.full((1, runtime.top_k), missing), torch.zeros(1, runtime.top_k))
         with pytest.raises(CacheIntegrityError, match="slot table served"):
             runtime.settle_step()
+        assert not resident.pending
     finally:
         resident.rebuild(runtime.cache.residency_map())
         resident.forget_step()
