@@ -6,9 +6,10 @@ arithmetic. Compiled, the decoder is one graph: the elementwise work is fused in
 kernels and the projections are called back to back. Two parts cannot be traced and are opaque
 operators in the graph: a layer's routed experts (``moetray::experts``,
 ``engine/experts/opaque.py``; where the experts' kernel serves, only the planning of a call that
-misses: ``engine/experts/resident.py``, whose calls that hit the step settles after it) and the
-paged KV write and read-back (``moetray::paged_kv`` below; the substrate's own
-``PagedAttentionCache.update`` is ``torch.compiler.disable``-d, which would split the graph at every layer).
+misses, and the planner is shown the calls that hit after the step: ``engine/experts/resident.py``)
+and the paged KV write and read-back (``moetray::paged_kv`` below; the substrate's own
+``PagedAttentionCache.update`` is ``torch.compiler.disable``-d, which would split the graph at every
+layer).
 
 Rules:
 - Only steps of at most ``max_tokens`` query tokens that read cached KV (a decode step, a small

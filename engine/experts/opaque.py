@@ -9,9 +9,9 @@ the compiled decode kernel where it serves). Where that kernel serves, only the 
 opaque: ``moetray::expert_slots`` (``[T, k]`` routed experts, the slots the graph looked up for
 them and whether all were found → ``[T, k]`` slots; a call whose experts all have slots returns
 them and the planner sees it later, ``resident.py``; one that misses is planned and its misses
-copied in) and the kernel's arithmetic is traced into the step's graph
-after it. The runtime is found by a small integer key the graph holds as a constant: a registry
-entry per runtime, dropped with the runtime.
+copied in) and the kernel's arithmetic is traced into the step's graph after it. The runtime is
+found by a small integer key the graph holds as a constant: a registry entry per runtime, dropped
+with the runtime.
 """
 
 from __future__ import annotations
