@@ -22,7 +22,7 @@ from expert_helpers import (  # noqa: F401 (autouse fixtures)
 
 from moetray.engine.experts import grouped as grouped_module
 from moetray.engine.experts import load_offloaded_model
-from moetray.engine.experts import runtime as runtime_module
+from moetray.engine.experts.hf import DEFAULT_APPLY_GATE
 from moetray.engine.experts.loader import expert_modules
 from moetray.engine.experts.runtime import COMPUTE_MODES, UnknownComputeMode
 
@@ -59,7 +59,7 @@ def test_biased_transposed_experts_with_a_custom_gate_match_their_stock_twin(gpt
     default SwiGLU gate applied where the module defines its own."""
     module = expert_modules(resident(gpt_oss, compute))[0][1]
     assert module.has_bias and module.is_transposed
-    assert type(module)._apply_gate is not runtime_module.DEFAULT_APPLY_GATE
+    assert type(module)._apply_gate is not DEFAULT_APPLY_GATE
     om = load_offloaded_model(gpt_oss, capacity=capacity, compute=compute)
     assert_identical(gpt_oss, om.model, compute)
     om.runtime.check_integrity(deep=True)
