@@ -364,13 +364,13 @@ class ExpertRuntime:
                 self.resident.settle(self._plan_hit)
 
     def _plan_hit(self, layer: int, routed: list[int], tokens: int) -> None:
-        """Plan and record a call the slot table served: every routed expert had a slot."""
+        """Plan and record a call the slot table served (every routed expert had a slot) as every
+        other call is: through :meth:`_fill`, which has nothing to copy unless the table lied."""
         plan = self._plan(layer, routed)
+        self._fill(layer, plan, tokens)  # the pool holds what the planner says, even then
         if plan.misses:
-            self._fill(layer, plan, tokens)  # the pool holds what the planner says; the step is refused
             raise CacheIntegrityError(f"layer {layer}: the slot table served {plan.misses} experts "
                                       "the planner does not hold")
-        self._record(layer, plan, 0, tokens)
         assert self.fused is not None, "the slot table serves only where the kernel does"
         self.fused.calls += 1
 
