@@ -7,9 +7,10 @@ kernels and the projections are called back to back. Two parts cannot be traced 
 operators in the graph: a layer's routed experts (``moetray::experts``,
 ``engine/experts/opaque.py``; where the experts' kernel serves, only the planning of a call that
 misses, and the planner is shown the calls that hit after the step: ``engine/experts/resident.py``)
-and the paged KV write and read-back (``moetray::paged_kv`` below; the substrate's own
-``PagedAttentionCache.update`` is ``torch.compiler.disable``-d, which would split the graph at every
-layer).
+and, for an allocator the step cannot trace, the paged KV write and read-back (``moetray::paged_kv``
+below). The substrate's own ``PagedAttentionCache.update`` is ``torch.compiler.disable``-d, which
+would split the graph at every layer; a full-attention layer's write and read-back are traced
+instead, as index operations on its allocator's one flat KV view (:class:`FlatKV`).
 
 Rules:
 - Only steps of at most ``max_tokens`` query tokens that read cached KV (a decode step, a small
@@ -32,9 +33,13 @@ import threading
 import time
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+    FullAttentionCacheAllocator,
+)
 
 from moetray.engine.cb.one_row import (
     OneRowHead,
@@ -79,9 +84,59 @@ _LIB.impl("paged_kv", _paged_kv, "CompositeExplicitAutograd")
 torch.library.register_fake("moetray::paged_kv", _paged_kv_shape, lib=_LIB)
 
 
+@dataclass(frozen=True)
+class FlatKV:
+    """A full-attention allocator's KV cache as one tensor ``[rows, heads, dim]``, and where each of
+    its layers' keys and values start in it: the substrate's per-layer views are shifted views of
+    this one, so a layer's token ``i`` is row ``start + i``.
+
+    One graph input per allocator, its row count symbolic (a KV re-split makes a bigger or smaller
+    one and must not recompile). Per-layer views would be thirty overlapping inputs, each mutated,
+    which the compiler can only serve by rebuilding them from a common base every step."""
+
+    flat: torch.Tensor
+    starts: dict[int, tuple[int, int]]  # layer → (first key row, first value row)
+
+    @classmethod
+    def of(cls, allocator: Any) -> FlatKV | None:
+        """The allocator's flat view, or None where it is not a full-attention allocator whose views
+        are the layout described (sliding windows read before they write; another substrate
+        version may lay its views out otherwise: those keep ``moetray::paged_kv``)."""
+        if type(allocator) is not FullAttentionCacheAllocator:
+            return None
+        views = getattr(allocator, "_kv_token_views", None)
+        if not views:
+            return None
+        first = next(iter(views.values()))[0]
+        flat = allocator.cache_tensor.view(-1, *first.shape[1:])
+        row_bytes = flat.stride(0) * flat.element_size()
+        starts: dict[int, tuple[int, int]] = {}
+        for layer, pair in views.items():
+            rows = []
+            for view in pair:
+                start, rest = divmod(view.data_ptr() - flat.data_ptr(), row_bytes)
+                if rest or view.stride() != flat.stride() or view.shape[1:] != flat.shape[1:] \
+                        or view.shape[0] != flat.shape[0] - start:
+                    return None
+                rows.append(start)
+            starts[layer] = (rows[0], rows[1])
+        torch._dynamo.maybe_mark_dynamic(flat, 0)  # a re-split's cache has another size
+        return cls(flat, starts)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, read_index: torch.Tensor,
+               write_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The substrate's full-attention update on the flat view: write the new keys and values,
+        then read every row attention needs."""
+        key_start, value_start = self.starts[layer]
+        self.flat.index_copy_(0, write_index + key_start, key)
+        self.flat.index_copy_(0, write_index + value_start, value)
+        return (self.flat.index_select(0, read_index + key_start),
+                self.flat.index_select(0, read_index + value_start))
+
+
 def _traceable_update(cache, key_states, value_states, layer_idx, kwargs):  # noqa: ANN001 - the substrate's signature
-    """``PagedAttentionCache.update`` (index-based path) with the cache access as ``moetray::paged_kv``;
-    eager calls keep the substrate's own method."""
+    """``PagedAttentionCache.update`` (index-based path), traced on a full-attention allocator's flat
+    view or else as ``moetray::paged_kv``; eager calls keep the substrate's own method."""
     if not torch.compiler.is_compiling():
         return type(cache).update(cache, key_states, value_states, layer_idx, kwargs)
     allocator = cache.layer_to_allocator[layer_idx]
@@ -90,7 +145,11 @@ def _traceable_update(cache, key_states, value_states, layer_idx, kwargs):  # no
     read_index = kwargs["read_index"][allocator.index]
     write_index = kwargs["write_index"][allocator.index]
     key, value = (x.squeeze(0).transpose(0, 1) for x in (key_states, value_states))  # [T, heads, dim]
-    key, value = torch.ops.moetray.paged_kv.default(key, value, read_index, write_index, layer_idx)
+    flat_kv = cache.moetray_flat_kv.get(allocator.index)
+    if flat_kv is not None:
+        key, value = flat_kv.update(key, value, layer_idx, read_index, write_index)
+    else:
+        key, value = torch.ops.moetray.paged_kv.default(key, value, read_index, write_index, layer_idx)
     return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
 
 
@@ -207,7 +266,10 @@ class CompiledDecodeStep:
         log.warning("the decode step runs eagerly: %s", self.reason, exc_info=exc)
 
     def install(self, cache) -> None:  # noqa: ANN001 - the substrate's PagedAttentionCache
-        """Route ``cache``'s update through ``moetray::paged_kv`` when traced (each new KV pool)."""
+        """Make ``cache``'s update traceable (each new KV pool): full-attention allocators through
+        their :class:`FlatKV`, others through ``moetray::paged_kv``."""
+        flat = {a.index: FlatKV.of(a) for a in cache.cache_allocators.values()}
+        cache.moetray_flat_kv = {index: f for index, f in flat.items() if f is not None}
         cache.moetray_traceable = True
         cache.update = types.MethodType(_traceable_update, cache)
 

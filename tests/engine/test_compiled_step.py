@@ -12,6 +12,9 @@ import pytest
 import torch
 from test_cb_runner import greedy_reference, make_runner, prompt_ids, run_all
 from torch._dynamo.utils import counters
+from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+    FullAttentionCacheAllocator,
+)
 
 from moetray.engine.cb import Sampling
 from moetray.engine.cb.compiled_step import (
@@ -55,6 +58,35 @@ async def test_decode_steps_take_the_graph_and_keep_transformers_tokens(tiny, co
         assert finals[f"r{i}"].generated_tokens == ref
     assert step.compiled_steps - before_graph >= 9  # the 9 steps after the prefill's first token
     assert step.eager_steps - before_eager >= 1  # the prompts' prefill
+
+
+async def test_full_attention_kv_is_written_and_read_inside_the_graph(tiny, compiled, monkeypatch):
+    """A full-attention layer's KV write and read-back are traced into the step's graph (the
+    allocator's flat view), so the substrate's allocator is called only by eager steps, once per
+    layer, and never from inside a compiled one. Prevents: the flat view unwired, every layer of
+    every step calling back into Python through ``moetray::paged_kv``."""
+    _, tok = tiny
+    step = decode_step_of(compiled)
+    calls = []
+    update = FullAttentionCacheAllocator.update
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(FullAttentionCacheAllocator, "update", counted)
+    prompt = prompt_ids(tok, "Write keys, then read them back")
+    runner = make_runner(compiled, policy="stock")
+    try:
+        before_graph, before_eager = step.compiled_steps, step.eager_steps
+        calls.clear()
+        finals = await run_all(runner, {"kv": (prompt, 8, Sampling(temperature=0.0))})
+    finally:
+        runner.stop()
+    assert finals["kv"].generated_tokens == greedy_reference(tiny[0], prompt, 8)
+    layers = compiled.config.num_hidden_layers
+    assert step.compiled_steps - before_graph >= 7
+    assert len(calls) == (step.eager_steps - before_eager) * layers
 
 
 def test_the_graphs_are_built_at_start_and_outlive_a_kv_resplit(compiled):
