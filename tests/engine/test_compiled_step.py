@@ -12,8 +12,12 @@ import pytest
 import torch
 from test_cb_runner import greedy_reference, make_runner, prompt_ids, run_all
 from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM
 from transformers.generation.continuous_batching.cache_allocators.full_attention import (
     FullAttentionCacheAllocator,
+)
+from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (
+    SlidingAttentionCacheAllocator,
 )
 
 from moetray.engine.cb import Sampling
@@ -87,6 +91,43 @@ async def test_full_attention_kv_is_written_and_read_inside_the_graph(tiny, comp
     layers = compiled.config.num_hidden_layers
     assert step.compiled_steps - before_graph >= 7
     assert len(calls) == (step.eager_steps - before_eager) * layers
+
+
+async def test_sliding_window_layers_keep_the_operator_beside_traced_full_attention(tiny, tiny_moe,
+                                                                                     monkeypatch):
+    """gpt-oss alternates sliding-window and full-attention layers: a sliding window's allocator
+    (which reads before it writes) is called through ``moetray::paged_kv`` by every step, compiled
+    or not, the full-attention allocator only by eager steps (its layers are traced on the flat
+    view), and greedy tokens equal transformers'. Prevents: a sliding layer traced as full
+    attention (it would read rows outside its window), or the flat view taken for every layer."""
+    path = tiny_moe("gpt_oss", "per_expert")
+    off = load_offloaded_model(path, dtype=torch.float32, capacity=16)
+    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    calls = {FullAttentionCacheAllocator: 0, SlidingAttentionCacheAllocator: 0}
+    for cls in calls:
+        def counted(self, *args, _cls=cls, _update=cls.update, **kwargs):
+            calls[_cls] += 1
+            return _update(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "update", counted)
+    prompt = prompt_ids(tiny[1], "Slide a window over this prompt, then keep going")
+    runner = make_runner(off.model, policy="off")
+    try:
+        assert step.reason is None
+        for cls in calls:
+            calls[cls] = 0
+        before_graph, before_eager = step.compiled_steps, step.eager_steps
+        finals = await run_all(runner, {"s": (prompt, 8, Sampling(temperature=0.0))})
+    finally:
+        runner.stop()
+    assert finals["s"].generated_tokens == greedy_reference(stock, prompt, 8)
+    kinds = off.model.config.layer_types
+    sliding, full = kinds.count("sliding_attention"), kinds.count("full_attention")
+    graph, eager = step.compiled_steps - before_graph, step.eager_steps - before_eager
+    assert sliding and full and graph >= 7
+    assert calls[SlidingAttentionCacheAllocator] == (graph + eager) * sliding
+    assert calls[FullAttentionCacheAllocator] == eager * full
 
 
 def test_the_graphs_are_built_at_start_and_outlive_a_kv_resplit(compiled):
