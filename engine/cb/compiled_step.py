@@ -92,10 +92,13 @@ class FlatKV:
 
     One graph input per allocator, its row count symbolic (a KV re-split makes a bigger or smaller
     one and must not recompile). Per-layer views would be thirty overlapping inputs, each mutated,
-    which the compiler can only serve by rebuilding them from a common base every step."""
+    which the compiler can only serve by rebuilding them from a common base every step. The starts
+    are graph inputs too, one-element tensors: as Python ints each layer's kernels would be
+    compiled with its own constants, thirty copies of the same code (measured on the demo: +200 s
+    of cold compilation, and the step's code no longer fits the instruction cache)."""
 
     flat: torch.Tensor
-    starts: dict[int, tuple[int, int]]  # layer → (first key row, first value row)
+    starts: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer → (first key row, first value row)
 
     @classmethod
     def of(cls, allocator: Any) -> FlatKV | None:
@@ -110,7 +113,7 @@ class FlatKV:
         first = next(iter(views.values()))[0]
         flat = allocator.cache_tensor.view(-1, *first.shape[1:])
         row_bytes = flat.stride(0) * flat.element_size()
-        starts: dict[int, tuple[int, int]] = {}
+        starts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer, pair in views.items():
             rows = []
             for view in pair:
@@ -118,7 +121,7 @@ class FlatKV:
                 if rest or view.stride() != flat.stride() or view.shape[1:] != flat.shape[1:] \
                         or view.shape[0] != flat.shape[0] - start:
                     return None
-                rows.append(start)
+                rows.append(torch.tensor(start, dtype=torch.long, device=flat.device))
             starts[layer] = (rows[0], rows[1])
         torch._dynamo.maybe_mark_dynamic(flat, 0)  # a re-split's cache has another size
         return cls(flat, starts)
