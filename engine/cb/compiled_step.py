@@ -93,9 +93,9 @@ class FlatKV:
     One graph input per allocator, its row count symbolic (a KV re-split makes a bigger or smaller
     one and must not recompile). Per-layer views would be thirty overlapping inputs, each mutated,
     which the compiler can only serve by rebuilding them from a common base every step. The starts
-    are graph inputs too, one-element tensors: as Python ints each layer's kernels would be
-    compiled with its own constants, thirty copies of the same code (measured on the demo: +200 s
-    of cold compilation, and the step's code no longer fits the instruction cache)."""
+    are graph inputs too, one-element tensors: as Python ints they were compiled into each layer's
+    kernels as constants, so no two layers shared a kernel (the demo's one-token graph: 61 kernel
+    sources for its 61 kernel calls, against 35 with tensors)."""
 
     flat: torch.Tensor
     starts: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer → (first key row, first value row)
