@@ -64,6 +64,18 @@ async def test_decode_steps_take_the_graph_and_keep_transformers_tokens(tiny, co
     assert step.eager_steps - before_eager >= 1  # the prompts' prefill
 
 
+def count_updates(monkeypatch, *allocators: type) -> dict[type, int]:
+    """Count each allocator class's ``update`` calls (the substrate's KV write and read-back)."""
+    calls = dict.fromkeys(allocators, 0)
+    for cls in allocators:
+        def counted(self, *args, _cls=cls, _update=cls.update, **kwargs):
+            calls[_cls] += 1
+            return _update(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "update", counted)
+    return calls
+
+
 async def test_full_attention_kv_is_written_and_read_inside_the_graph(tiny, compiled, monkeypatch):
     """A full-attention layer's KV write and read-back are traced into the step's graph (the
     allocator's flat view), so the substrate's allocator is called only by eager steps, once per
@@ -71,26 +83,19 @@ async def test_full_attention_kv_is_written_and_read_inside_the_graph(tiny, comp
     every step calling back into Python through ``moetray::paged_kv``."""
     _, tok = tiny
     step = decode_step_of(compiled)
-    calls = []
-    update = FullAttentionCacheAllocator.update
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return update(self, *args, **kwargs)
-
-    monkeypatch.setattr(FullAttentionCacheAllocator, "update", counted)
+    calls = count_updates(monkeypatch, FullAttentionCacheAllocator)
     prompt = prompt_ids(tok, "Write keys, then read them back")
     runner = make_runner(compiled, policy="stock")
     try:
         before_graph, before_eager = step.compiled_steps, step.eager_steps
-        calls.clear()
+        calls[FullAttentionCacheAllocator] = 0
         finals = await run_all(runner, {"kv": (prompt, 8, Sampling(temperature=0.0))})
     finally:
         runner.stop()
     assert finals["kv"].generated_tokens == greedy_reference(tiny[0], prompt, 8)
     layers = compiled.config.num_hidden_layers
     assert step.compiled_steps - before_graph >= 7
-    assert len(calls) == (step.eager_steps - before_eager) * layers
+    assert calls[FullAttentionCacheAllocator] == (step.eager_steps - before_eager) * layers
 
 
 async def test_sliding_window_layers_keep_the_operator_beside_traced_full_attention(tiny, tiny_moe,
@@ -104,13 +109,7 @@ async def test_sliding_window_layers_keep_the_operator_beside_traced_full_attent
     off = load_offloaded_model(path, dtype=torch.float32, capacity=16)
     step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
     stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    calls = {FullAttentionCacheAllocator: 0, SlidingAttentionCacheAllocator: 0}
-    for cls in calls:
-        def counted(self, *args, _cls=cls, _update=cls.update, **kwargs):
-            calls[_cls] += 1
-            return _update(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, "update", counted)
+    calls = count_updates(monkeypatch, FullAttentionCacheAllocator, SlidingAttentionCacheAllocator)
     prompt = prompt_ids(tiny[1], "Slide a window over this prompt, then keep going")
     runner = make_runner(off.model, policy="off")
     try:
