@@ -150,8 +150,18 @@ class StreamingChat(threading.Thread):
         except qtbot.TimeoutError:
             raise TimeoutError(
                 f"waited {timeout_ms} ms for {what}: {self.chunks} chunks read, "
-                f"finish_reason {self.finish_reason!r}, error {self.error!r}"
+                f"finish_reason {self.finish_reason!r}, error {self.error!r}; {self.engine_account()}"
             ) from None
+
+    def engine_account(self) -> str:
+        """What the engine says it finished last and the tail of its log: a chat that never ends
+        must say whether the engine ended the request (its reply then stalled on the way) or not."""
+        try:
+            finished = self.engine.get("request_history")["requests"][:2]
+        except httpx.HTTPError as exc:
+            finished = [repr(exc)]
+        tail = self.engine.log().splitlines()[-8:]
+        return f"engine's newest finished requests {finished!r}; engine log tail {tail!r}"
 
 
 def run_async(qtbot, coro: Coroutine[Any, Any, Any], timeout_ms: int = 30000) -> Any:
