@@ -26,6 +26,15 @@ operator's output against its fake kernel, before it runs a kernel. On the demo'
 request, two runs each way: 9.6-11.1 ms a step with them, 9.1-9.2 without)."""
 
 
+CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+"""Inductor options for a region whose generated Python wrapper costs more than its kernels' launches:
+the wrapper is C++ (its entry releases the GIL while it runs) and is built apart from the kernels,
+which keeps a large wrapper's build short. On the demo's int8 decode step (30 layers: ~5,000 lines of
+Python a step, ~800 allocations) interleaved servers on the Q8_0 file decoded 4 % faster at batch 1
+(6/6 rounds) and 9 % at batch 4 (4/4); the cold warm-up took 481 s (see the closing note of stop 35
+for the Python wrapper's on the same hour)."""
+
+
 def compile_region(fn: Callable[..., Any], *, recompile_limit: int, **options: Any) -> Callable[..., Any]:
     """``torch.compile(fn, **options)`` whose graphs are limited to ``recompile_limit`` per code object."""
     if TAKES_REGION_LIMIT:

@@ -3,8 +3,9 @@
 On a small model a decode step is hundreds of small operators (norms, rotary, projections,
 residuals, the router) per layer, and in eager mode their Python dispatch costs more than their
 arithmetic. Compiled, the decoder is one graph: the elementwise work is fused into a few C++
-kernels and the projections are called back to back. Two parts cannot be traced and are opaque
-operators in the graph: a layer's routed experts (``moetray::experts``,
+kernels and the projections are called back to back, by a wrapper that is C++ too
+(``compiling.CPP_WRAPPER``: a Python one ran ~5,000 lines a step on the demo). Two parts cannot
+be traced and are opaque operators in the graph: a layer's routed experts (``moetray::experts``,
 ``engine/experts/opaque.py``; where the experts' kernel serves, only the planning of a call that
 misses, and the planner is shown the calls that hit after the step: ``engine/experts/resident.py``)
 and, for an allocator the step cannot trace, the paged KV write and read-back (``moetray::paged_kv``
@@ -49,7 +50,7 @@ from moetray.engine.cb.one_row import (
     install_one_row_products,
 )
 from moetray.engine.cb.state import StateGeometry
-from moetray.engine.compiling import UNCHECKED_WRAPPER, compile_region
+from moetray.engine.compiling import CPP_WRAPPER, UNCHECKED_WRAPPER, compile_region
 from moetray.engine.experts.runtime import runtimes_in
 from moetray.policy.step_threads import step_threads
 
@@ -212,7 +213,7 @@ class CompiledDecodeStep:
         # Sizes turn symbolic as they vary; a few graphs per thread count (the limit is this region's).
         self.graph = compile_region(
             _own_code(self.eager), fullgraph=True, recompile_limit=STEP_GRAPHS,
-            options={"guard_filter_fn": self._filter_guards, **UNCHECKED_WRAPPER,
+            options={"guard_filter_fn": self._filter_guards, **UNCHECKED_WRAPPER, **CPP_WRAPPER,
                      "post_grad_custom_post_pass": OneRowMatmuls()})
         self.reason: str | None = None  # why steps run eagerly; None while the graph serves
         self.compiled_steps = 0

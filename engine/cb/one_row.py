@@ -63,7 +63,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from moetray.engine.compiling import compile_region
+from moetray.engine.compiling import CPP_WRAPPER, compile_region
 from moetray.engine.experts.fused import float_buffer
 from moetray.engine.helpers import share_out
 from moetray.engine.models.precision import Int8Linear, int8_product
@@ -178,7 +178,7 @@ class OneRowHead:
         self.graph = compile_region(
             one_row_int8_product if self.int8 else one_row_product,
             fullgraph=True, dynamic=False, recompile_limit=HEAD_GRAPHS,
-            options={"cpp_wrapper": True})  # its C++ entry releases the GIL: blocks run side by side
+            options=CPP_WRAPPER)  # its C++ entry releases the GIL: blocks run side by side
         self.reason: str | None = None  # why the head keeps the library's product; None while serving
         self.one_row_calls = 0
         self.thread_budget = 1  # the engine's threads (the compiled step's warm-up sets it)
