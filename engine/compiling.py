@@ -26,13 +26,15 @@ operator's output against its fake kernel, before it runs a kernel. On the demo'
 request, two runs each way: 9.6-11.1 ms a step with them, 9.1-9.2 without)."""
 
 
-CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
+               "aot_inductor.compile_wrapper_opt_level": "O0"}
 """Inductor options for a region whose generated Python wrapper costs more than its kernels' launches:
-the wrapper is C++ (its entry releases the GIL while it runs) and is built apart from the kernels,
-which keeps a large wrapper's build short. On the demo's int8 decode step (30 layers: ~5,000 lines of
-Python a step, ~800 allocations) interleaved servers on the Q8_0 file decoded 4 % faster at batch 1
-(6/6 rounds) and 9 % at batch 4 (4/4); the cold warm-up took 481 s (see the closing note of stop 35
-for the Python wrapper's on the same hour)."""
+the wrapper is C++ (its entry releases the GIL while it runs), built apart from the kernels and
+unoptimised (the kernels keep -O3). The demo's int8 decode step (30 layers) ran ~5,000 lines of
+Python wrapper a step, ~800 of them allocations. Interleaved servers on the Q8_0 file, ms a token:
+against the Python wrapper, -1.4 % at batch 1 (4/6 rounds) and -5 % at batch 4 (4/4); cold
+warm-up 377 s against 381. The wrapper at -O1 gained 2-3 % more (5/6, 4/4 against -O0) but took
+481 s cold: optimising one function of thousands of calls, once per graph, before serving."""
 
 
 def compile_region(fn: Callable[..., Any], *, recompile_limit: int, **options: Any) -> Callable[..., Any]:
