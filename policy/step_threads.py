@@ -76,8 +76,8 @@ spins ~1.3x the passive team's time, 5,000 ~2x, 20,000 ~2.3x (so few spins: the 
 leaves on the team whatever the load, float32 steps and long prefills, pay for them under load).
 On the second host (2 vCPUs) 3,000 spins cover a 20 µs gap but not 50 µs, so the worker sleeps in
 each layer's gap of a compiled int8 step (~33 sleeps a token); longer spins still lose there, the
-streaming client and the event loop sharing the two cores: 8,000 spins -5 %, 30,000 -8 % tok/s at
-batch 1 (interleaved servers on the Q8_0 demo, six rounds each)."""
+streaming client and the event loop sharing the two cores: 8,000 spins +5 %, 30,000 +8 % ms a
+token at batch 1 (interleaved servers on the Q8_0 demo, six rounds each)."""
 
 TEAM_LEAVE_OTHERS_CORES = 0.3
 """Cores other programs keep busy (beyond those the budget leaves them) at which decode steps leave
