@@ -37,11 +37,29 @@ warm-up 377 s against 381. The wrapper at -O1 gained 2-3 % more (5/6, 4/4 agains
 481 s cold: optimising one function of thousands of calls, once per graph, before serving."""
 
 
+def inductor_keeping_no_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
+                              options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """Inductor (``torch.compile``'s default backend, with inductor ``options``), after which the
+    traced graph is emptied: the compiled code never runs it, but the callable returned keeps the
+    graph module alive (as a module stand-in), and with it every node's metadata (fake tensors,
+    symbolic sizes, stack traces). On the demo's Q8_0 file served as int8, the decode step's
+    graphs (~7,250 nodes each, 30 layers) held ~130 MiB of the engine's ~1,230 MiB RSS. A guard
+    that fails later traces the function again, so the emptied graph is never needed."""
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled = compile_fx(gm, example_inputs, config_patches=dict(options or {}))
+    assert callable(compiled), type(compiled)  # an ahead-of-time export would return its files instead
+    gm.graph = torch.fx.Graph()
+    return compiled
+
+
 def compile_region(fn: Callable[..., Any], *, recompile_limit: int, **options: Any) -> Callable[..., Any]:
-    """``torch.compile(fn, **options)`` whose graphs are limited to ``recompile_limit`` per code object."""
+    """``torch.compile(fn, **options)`` whose graphs are limited to ``recompile_limit`` per code object,
+    compiled by :func:`inductor_keeping_no_graph`."""
     if TAKES_REGION_LIMIT:
-        return torch.compile(fn, recompile_limit=recompile_limit, **options)  # type: ignore[call-overload]
+        return torch.compile(fn, backend=inductor_keeping_no_graph,  # type: ignore[call-overload]
+                             recompile_limit=recompile_limit, **options)
     import torch._dynamo.config as dynamo_config
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, recompile_limit)
-    return torch.compile(fn, **options)
+    return torch.compile(fn, backend=inductor_keeping_no_graph, **options)
