@@ -101,18 +101,19 @@ def read_bandwidth_gbs(repeats: int = 5, size: int = 512 << 20) -> float:
 def dense_bytes_per_step(model) -> int:
     """Bytes of non-expert weights one forward step reads: every parameter once (tied weights
     once), except an input embedding table that is not also the LM head (a step reads one row)."""
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    tied = head is not None and getattr(head, "weight", None) is embed
+    def tensors(module) -> list:
+        return [] if module is None else [*module.parameters(), *module.buffers()]
+
+    head = {t.data_ptr() for t in tensors(model.get_output_embeddings())}
+    table_only = {t.data_ptr() for t in tensors(model.get_input_embeddings())} - head
     seen: set[int] = set()
     total = 0
     for tensor in [*model.parameters(), *_weight_buffers(model)]:
         if tensor.data_ptr() in seen or tensor.device.type == "meta":
             continue
         seen.add(tensor.data_ptr())
-        if tensor is embed and not tied:
-            continue
-        total += tensor.numel() * tensor.element_size()
+        if tensor.data_ptr() not in table_only:
+            total += tensor.numel() * tensor.element_size()
     return total
 
 

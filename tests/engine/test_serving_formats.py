@@ -13,6 +13,7 @@ from torch import nn  # noqa: E402
 
 from moetray.engine.experts import load_offloaded_model  # noqa: E402
 from moetray.engine.models.precision import (  # noqa: E402
+    Int8Embedding,
     Int8Linear,
     WidenedProducts,
     apply_format,
@@ -52,9 +53,9 @@ def test_int8_linear_is_the_dequantized_product():
 
 
 def test_int8_model_stays_close_to_float32_and_reads_one_byte_per_dense_weight(tiny_moe):
-    """Every dense linear becomes int8 (the LM head too, untied from the embedding), and the
-    logits move by a bounded amount against the float32 model. Prevents: an int8 path that
-    quietly keeps bfloat16 weights, or one that computes garbage."""
+    """Every dense linear becomes int8 (the LM head too, untied from the embedding), so does the
+    embedding table, and the logits move by a bounded amount against the float32 model.
+    Prevents: an int8 path that quietly keeps bfloat16 weights, or one that computes garbage."""
     path = tiny_moe("qwen3_moe", "per_expert")
     ids = list(range(3, 40))
     ref_model, _ = _load(path, torch.float32)
@@ -64,9 +65,44 @@ def test_int8_model_stays_close_to_float32_and_reads_one_byte_per_dense_weight(t
     assert count > 0 and not any(type(m) is nn.Linear for m in model.modules())
     assert isinstance(model.get_output_embeddings(), Int8Linear)
     assert model.config.get_text_config().tie_word_embeddings is False
+    table = model.get_input_embeddings()  # its own int8 rows (untied), a scale per row
+    assert isinstance(table, Int8Embedding) and table.qweight.dtype == torch.int8
+    assert table.qweight is not model.get_output_embeddings().qweight
     got = _logits(model, ids)
     spread = float(ref.std())
     assert float((got - ref).abs().max()) < 0.25 * spread + 0.05
+    assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8
+
+
+def test_a_tied_int8_model_reads_its_embedding_table_from_the_heads_int8_rows(tiny_moe):
+    """A table tied to the LM head is not kept a second time: each row is the head's int8 row
+    times its scale, and the logits stay as close to float32 as an untied int8 model's.
+    Prevents: the int8 format keeping a 16-bit table beside the head's int8 copy."""
+    from moetray.engine.bench.decode import dense_bytes_per_step
+
+    path = tiny_moe("qwen3_moe", "per_expert")
+    ids = list(range(3, 40))
+
+    def tied(dtype):
+        model, _ = _load(path, dtype)
+        model.lm_head.weight = model.model.embed_tokens.weight
+        model.config.tie_word_embeddings = True
+        return model
+
+    ref = _logits(tied(torch.float32), ids)
+    model = tied(torch.bfloat16)
+    vocab = model.config.vocab_size
+    quantize_linears(model)
+    table, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(table, Int8Embedding) and isinstance(head, Int8Linear)
+    assert table.qweight is head.qweight and table.qscale is head.qscale
+    assert not any(p.shape[0] == vocab for p in model.parameters())  # no 16-bit table left
+    row = (head.qweight[7].float() * head.qscale[7].float()).to(torch.bfloat16)
+    assert torch.equal(table(torch.tensor([[7]]))[0, 0], row)
+    head_bytes = head.qweight.numel() + head.qscale.numel() * 2
+    assert dense_bytes_per_step(model) > head_bytes  # the head, once, and the layers
+    got = _logits(model, ids)
+    assert float((got - ref).abs().max()) < 0.25 * float(ref.std()) + 0.05
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.8
 
 
