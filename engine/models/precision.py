@@ -211,9 +211,8 @@ def quantize_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` with an :class:`Int8Linear`; returns how many.
     A plain input embedding table becomes an :class:`Int8Embedding` (tied to the LM head: the
     head's int8 rows); an embedding of its own kind (one that scales its rows) stays as it is."""
-    get_in, get_out = (getattr(model, n, None) for n in ("get_input_embeddings", "get_output_embeddings"))
-    table = get_in() if callable(get_in) else None
-    head = get_out() if callable(get_out) else None
+    lm: Any = model  # a transformers model: its embedding accessors
+    table, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     tied = type(table) is nn.Embedding and type(head) is nn.Linear and head.weight is table.weight
     count = 0
     for module in list(model.modules()):
@@ -222,10 +221,10 @@ def quantize_linears(model: nn.Module) -> int:
                 setattr(module, name, Int8Linear(child))
                 count += 1
     if type(table) is nn.Embedding:
-        int8_head = model.get_output_embeddings()
+        int8_head = lm.get_output_embeddings()
         qweight, qscale = ((int8_head.qweight, int8_head.qscale) if tied and isinstance(int8_head, Int8Linear)
                            else int8_rows(table.weight))
-        model.set_input_embeddings(Int8Embedding(qweight, qscale, table.padding_idx))
+        lm.set_input_embeddings(Int8Embedding(qweight, qscale, table.padding_idx))
     if count:
         # The LM head no longer shares the embedding's parameter: stop transformers re-tying them.
         config: Any = model.config
