@@ -32,7 +32,7 @@ from moetray.engine.experts.store import (
     QuantizedExpertStore,
     unpack_row,
 )
-from moetray.engine.models.precision import int8_matmul
+from moetray.engine.models.precision import int8_matmul, int8_rows
 
 __all__ = ["Int8ExpertStore", "Int8Layout", "Int8Weight", "int8_gemm"]
 
@@ -108,11 +108,8 @@ class Int8Layout:
         """Write one expert's float ``weights`` (the module's per-expert tensors) into ``row``."""
         row.zero_()
         for part in self.parts:
-            w = weights[part.name].float()
-            if geo.is_transposed:
-                w = w.t()
-            scale = (w.abs().amax(dim=1).clamp_min(1e-30) / 127.0).to(torch.bfloat16)
-            q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+            w = weights[part.name]
+            q, scale = int8_rows(w.t() if geo.is_transposed else w)
             row[part.q_offset:part.q_offset + q.numel()].copy_(q.reshape(-1).view(torch.uint8))
             row[part.scale_offset:part.scale_offset + 2 * scale.numel()].copy_(scale.view(torch.uint8))
             if part.bias_offset is not None:
