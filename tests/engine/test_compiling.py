@@ -1,6 +1,6 @@
 """``compile_region``: on a torch without a region's own recompile limit (torch < 2.12, as a CUDA
 machine may bring) dynamo's global limit is raised to the region's, never lowered; and a compiled
-region keeps no traced graph alive (``inductor_keeping_no_graph``)."""
+region keeps no traced graph alive (``inductor_keeping_no_graph``) and fuses multiply-adds."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import gc
 
 import torch
 import torch._dynamo.config as dynamo_config
+import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from moetray.engine import compiling
 
@@ -52,3 +54,27 @@ def test_a_compiled_region_keeps_no_traced_graph_alive():
         assert torch.allclose(compiled(x), region(x))
     gc.collect()
     assert _graphs_calling(torch.atan2) == []
+
+
+def test_a_compiled_regions_kernels_fuse_multiply_and_add():
+    """Every region's C++ kernels are built with fused multiply-adds (inductor's config in force while
+    it compiles, seen by a pass of the region's own): its one-row products save an instruction."""
+    seen: list[str] = []
+
+    class RecordContract(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            seen.append(inductor_config.cpp.enable_floating_point_contract_flag)
+
+        def uuid(self) -> bytes:
+            return b"test-record-contract"
+
+    def region(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x.unsqueeze(-2) * w).sum(-1)
+
+    compiled = compiling.compile_region(region, recompile_limit=4, fullgraph=True,
+                                        options={"post_grad_custom_post_pass": RecordContract(),
+                                                 "fx_graph_cache": False})
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    assert torch.allclose(compiled(x, w), region(x, w), atol=1e-5)
+    assert seen == ["fast"]
+    assert inductor_config.cpp.enable_floating_point_contract_flag == "off"  # a patch, not a global
