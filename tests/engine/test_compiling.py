@@ -60,6 +60,7 @@ def test_a_compiled_regions_kernels_fuse_multiply_and_add():
     """Every region's C++ kernels are built with fused multiply-adds (inductor's config in force while
     it compiles, seen by a pass of the region's own): its one-row products save an instruction."""
     seen: list[str] = []
+    before = inductor_config.cpp.enable_floating_point_contract_flag
 
     class RecordContract(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
@@ -77,4 +78,4 @@ def test_a_compiled_regions_kernels_fuse_multiply_and_add():
     x, w = torch.randn(1, 64), torch.randn(32, 64)
     assert torch.allclose(compiled(x, w), region(x, w), atol=1e-5)
     assert seen == ["fast"]
-    assert inductor_config.cpp.enable_floating_point_contract_flag == "off"  # a patch, not a global
+    assert inductor_config.cpp.enable_floating_point_contract_flag == before  # a patch, not a global
