@@ -81,6 +81,27 @@ def test_one_query_attention_is_sdpas_result(mask):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_one_query_attention_calls_two_batched_products():
+    """Compiled with a rotary query and keys and values gathered from a paged cache (as in the decode
+    step), the scores and the weighted values are library ``bmm`` calls, and the result is the eager
+    one. Prevents: the multiply-and-sum form coming back, where inductor recomputed the query's
+    rotary embedding for every cached key and gathered each key's values once per value column."""
+    torch.manual_seed(4)
+    cache_k, cache_v = torch.randn(64, 3, 16), torch.randn(64, 3, 16)
+    rows, angles = torch.tensor([5, 9, 17, 33, 40]), torch.arange(16) * 0.1
+
+    def step(q, cache_k, cache_v, rows, angles):
+        q = q * angles.cos() + q.flip(-1) * angles.sin()
+        k, v = (c.index_select(0, rows).transpose(0, 1)[None] for c in (cache_k, cache_v))
+        return one_row.one_query_attention(q, k, v, None, None)
+
+    q = torch.randn(1, 9, 1, 16)
+    got, code = run_and_get_code(torch.compile(step, fullgraph=True, dynamic=False), q, cache_k, cache_v, rows,
+                                 angles)
+    assert "\n".join(code).count("extern_kernels.bmm(") == 2
+    torch.testing.assert_close(got, step(q, cache_k, cache_v, rows, angles), rtol=1e-5, atol=1e-5)
+
+
 def test_eager_attention_is_transformers_own_sdpa():
     """Untraced (prefill, a refused graph), the registered ``"sdpa"`` is transformers' function."""
     one_row.install_one_query_attention()
