@@ -96,8 +96,8 @@ def test_compiled_one_query_attention_calls_two_batched_products():
         return one_row.one_query_attention(q, k, v, None, None)
 
     q = torch.randn(1, 9, 1, 16)
-    got, code = run_and_get_code(torch.compile(step, fullgraph=True, dynamic=False), q, cache_k, cache_v, rows,
-                                 angles)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    got, code = run_and_get_code(compiled, q, cache_k, cache_v, rows, angles)
     assert "\n".join(code).count("extern_kernels.bmm(") == 2
     torch.testing.assert_close(got, step(q, cache_k, cache_v, rows, angles), rtol=1e-5, atol=1e-5)
 
