@@ -306,8 +306,9 @@ def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         mask = mask.expand(batch, heads, 1, keys).reshape(batch, kv_heads, group, keys)
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
     weights = torch.softmax(scores, dim=-1).reshape(batch * kv_heads, group, keys)
-    out = torch.bmm(weights, value.float().reshape(batch * kv_heads, keys, dim))
-    return out.reshape(batch, heads, 1, dim).to(query.dtype)
+    value_dim = value.shape[-1]  # a latent-attention model's values are narrower than its keys
+    out = torch.bmm(weights, value.float().reshape(batch * kv_heads, keys, value_dim))
+    return out.reshape(batch, heads, 1, value_dim).to(query.dtype)
 
 
 def one_query_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

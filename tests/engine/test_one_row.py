@@ -69,7 +69,8 @@ def test_compiled_int8_products_load_their_rows_at_float32_width():
 @pytest.mark.parametrize("mask", ["none", "additive", "bool"])
 def test_one_query_attention_is_sdpas_result(mask):
     """Grouped KV heads (9 query heads on 3), with and without a padding mask in either form: equal to
-    torch's SDPA in float32. Prevents: a head read from the wrong KV group or a mask ignored."""
+    torch's SDPA in float32, values as wide as the keys or narrower. Prevents: a head read from the wrong
+    KV group, a mask ignored, or the values' width taken from the keys."""
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 9, 1, 16), torch.randn(2, 3, 11, 16), torch.randn(2, 3, 11, 16)
     keep = torch.ones(2, 1, 1, 11, dtype=torch.bool)
@@ -79,6 +80,10 @@ def test_one_query_attention_is_sdpas_result(mask):
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=0.3, enable_gqa=True)
     got = one_row.one_query_attention(q, k, v, attn_mask, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    narrow = v[..., :12]  # values narrower than keys (latent attention)
+    want = F.scaled_dot_product_attention(q, k, narrow, attn_mask=attn_mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(one_row.one_query_attention(q, k, narrow, attn_mask, 0.3), want, rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_compiled_one_query_attention_calls_two_batched_products():
