@@ -294,6 +294,30 @@ class RadixCache:
         cached_len, node = self._descend(tuple(ids))
         return MatchResult(cached_len, node)
 
+    def partial_page(self, node: RadixNode, ids: Sequence[int]) -> tuple[int, int] | None:
+        """Decides how much of a page past ``node`` a prompt can copy: ``(tokens, slot)``, the longest
+        start of ``ids`` (at most a page less one token) that one of ``node``'s next pages begins
+        with, and the slot holding that page; None where none begins with ``ids[0]``.
+
+        A whole-page match shares pages; the prompt's ragged end cannot share one (the request
+        writes the rest of its last page), but may copy the matched rows of a cached page into a
+        page of its own and compute only the tokens after them. Slots are pages
+        (``slot_unit="page"``, else ``invalid_argument``). Does not mutate (no recency stamp: the
+        page is copied, not shared); refuses a stale handle (``stale_handle``).
+        """
+        if self._unit != "page":
+            raise RadixError("invalid_argument", "partial_page needs slot_unit='page'")
+        self._check_handle(node)
+        want = tuple(ids[: self._page - 1])
+        best: tuple[int, int] | None = None
+        for key, child in node._children.items():
+            same = 0
+            while same < len(want) and key[same] == want[same]:
+                same += 1
+            if same and (best is None or same > best[0]):
+                best = (same, child._value[0])
+        return best
+
     def insert_prefix(self, ids: Sequence[int], slots: Sequence[int]) -> InsertResult:
         """Records that ``slots`` hold the KV of ``ids``; decides which part the tree keeps.
 

@@ -274,6 +274,7 @@ class HybridScheduler(RadixScheduler):
     """
 
     cache: HybridPagedCache
+    copies_partial_pages = False  # the recurrent state resumes only at a snapshot's page boundary
 
     def _sync_request(self, ledger, state) -> None:  # noqa: ANN001 - the radix scheduler's signature
         super()._sync_request(ledger, state)

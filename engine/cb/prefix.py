@@ -5,7 +5,8 @@ a ``RadixScheduler`` (a ``FIFOScheduler`` subclass, registered in the substrate'
 ``SCHEDULER_MAPPING`` under ``"moetray_radix"``). The substrate keeps matching prompts
 against its block-hash table; ``policy.radix`` makes the eviction decision (how many cached
 blocks, which ones: least-recently-used unlocked leaves first, never an anchor-locked
-prefix) that the stock ledger makes by dropping every cached block at once. See
+prefix) that the stock ledger makes by dropping every cached block at once, and how much of a
+prompt's ragged last page a cached page can serve by copy. See
 :class:`RadixLedger` for the exact division of labour. A finished turn that emitted the
 tool-call opener keeps its prefix locked through ``policy.anchor.AnchorRetention`` until the
 next turn arrives or pressure needs the room (:class:`SchedulerHooks`).
@@ -105,6 +106,10 @@ class RadixLedger(BlockLedger):
       ``radix.evict`` frees least-recently-used unlocked leaves first (cascading), never a
       locked path. The substrate's own flush entry (``evict_cached_blocks``, called before
       it offloads requests) is bounded the same way by ``demand``.
+    - a prompt's ragged end (past its last whole matched page) may *copy* the rows a cached next
+      page already holds into a page of the request's own (``radix.partial_page`` decides how
+      many; :meth:`RadixScheduler._copy_partial_page`); the cached page is neither shared nor
+      written, and the copy is hashed like any page the request completes.
     - a block the tree holds is never dropped behind its back: a ``no_cache`` release (the
       substrate's soft reset of an offloaded request) keeps such a block cached, so radix
       remains the only one that frees it (and the requeued request can re-match it).
@@ -121,6 +126,7 @@ class RadixLedger(BlockLedger):
         self.evictions: list[list[int]] = []  # block ids freed per eviction (page-identity tests)
         self.anchor_outcomes: dict[str, int] = {}  # HoldOutcome value -> count
         self.anchors_released = {"turn": 0, "pressure": 0, "bound": 0}
+        self.partial_pages_copied = 0  # prompts whose ragged end copied a cached page's rows
 
     def new_tree(self) -> RadixCache:
         """The tree this ledger mirrors its blocks into (one page per block)."""
@@ -203,6 +209,7 @@ class RadixScheduler(FIFOScheduler):
     """
 
     hooks: SchedulerHooks | None = None  # set by BatchRunner before the loop starts
+    copies_partial_pages = True  # a prompt's ragged end may copy a cached page's rows (below)
 
     def __init__(
         self, cache: PagedAttentionCache, safety_margin: float | None, max_requests_per_batch: int
@@ -309,8 +316,6 @@ class RadixScheduler(FIFOScheduler):
         if not was_pending:
             return tokens
         matched = state.position_offset - before
-        if self.hooks is not None:
-            self.hooks.prefix_matched(state.request_id, matched)
         ledger = self._ledger
         if ledger is not None and matched > 0:
             prompt = state.initial_tokens[:matched]
@@ -324,9 +329,39 @@ class RadixScheduler(FIFOScheduler):
                 )
             ledger.radix.lock(node)
             self._tracked[state.request_id] = _Tracked(node=node, locked_blocks=len(blocks))
+            copied = self._copy_partial_page(ledger, state, node)
+            matched += copied
+            tokens = tokens[copied:]
             if self.hooks is not None:
                 self.hooks.prefix_reused(ledger, state.initial_tokens)
+        if self.hooks is not None:
+            self.hooks.prefix_matched(state.request_id, matched)
         return tokens
+
+    def _copy_partial_page(self, ledger: RadixLedger, state, node) -> int:
+        """Serve the start of the prompt's ragged end from a cached page: returns the tokens served.
+
+        ``policy.radix`` decides how many of the tokens after the whole-page match a page after
+        ``node`` already holds (at most a page less one: a step must compute the last prompt token's
+        logits); their rows are copied into the request's own next page, which it then writes on
+        from there, so a repeated prompt computes one token instead of up to a page of them. Not
+        for a model whose recurrent state resumes only at page boundaries
+        (``copies_partial_pages``), nor when the pool cannot give the page now.
+        """
+        if not self.copies_partial_pages:
+            return 0
+        found = ledger.radix.partial_page(node, state.remaining_prefill_tokens[:-1])
+        if found is None:
+            return 0
+        copied, source = found
+        if not self.cache.can_store_request_tokens(state, copied):  # allocates the request's next page
+            return 0
+        target = self._allocator.block_table[state.request_id][-1]
+        self._allocator.copy_blocks([source], [target])
+        state.remaining_prefill_tokens = state.remaining_prefill_tokens[copied:]
+        state.position_offset += copied
+        ledger.partial_pages_copied += 1
+        return copied
 
     def _try_to_meet_safety_margin(self) -> bool:
         ledger = self._ledger

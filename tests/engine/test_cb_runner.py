@@ -192,6 +192,42 @@ async def test_follow_up_turn_reuses_the_first_turns_very_blocks(tiny):
         runner.stop()
 
 
+async def test_a_repeated_prompt_copies_its_ragged_end_and_computes_one_token(tiny):
+    """The same prompt again: its whole pages are shared, the rows of its last, partial page are
+    copied from the page turn one completed into a page of its own, so only the last prompt token
+    is computed; the answer is still generate's, token for token (fp32). Prevents: the copy never
+    wired, a shared page written over, or copied rows misplaced (the answer would change)."""
+    model, tok = tiny
+    runner = make_runner(model, policy="radix")
+    try:
+        prompt = prompt_ids(tok, "Explain mixture of experts routing in detail, please.")
+        assert len(prompt) % PAGE not in (0, 1)  # a ragged end of two or more tokens to copy from
+        want = greedy_reference(model, prompt, PAGE)
+        first = await run_all(runner, {"a": (prompt, PAGE, Sampling(temperature=0.0))})
+        assert first["a"].generated_tokens == want
+        ledger = runner.ledger
+        assert isinstance(ledger, RadixLedger) and ledger.partial_pages_copied == 0
+        whole = len(prompt) // PAGE
+        source = list(ledger.radix.slots_of(ledger.radix.match_prefix(prompt + want).node))[whole]
+        seen = {}
+
+        def capture(out):
+            seen.setdefault("blocks", list(
+                runner.manager.batch_processor.cache.cache_allocators["full_attention"].block_table["c"]))
+
+        again = await run_all(runner, {"b": (prompt, PAGE, Sampling(temperature=0.0))})
+        assert again["b"].generated_tokens == want
+        assert ledger.partial_pages_copied == 1 and runner.cached_tokens("b") == len(prompt) - 1
+        runner.submit("c", prompt, max_new_tokens=2, sampling=Sampling(temperature=0.0), on_output=capture)
+        await wait_until(lambda: "blocks" in seen and all(r.request_id != "c"
+                                                          for r in runner.live_requests()),
+                         "the third request to finish")
+        assert seen["blocks"][whole] != source  # a copy of its own, the cached page untouched
+        runner.check_integrity()
+    finally:
+        runner.stop()
+
+
 async def _pressure_then_follow_up(model, tok, policy: str) -> tuple[int, list[list[int]], list[int]]:
     """Older cached junk, then turn one, then a request that needs a few more pages than are free.
 

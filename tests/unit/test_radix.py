@@ -364,6 +364,29 @@ def test_page_mode_refuses_a_token_granular_slot_list():
     assert err.value.kind == "slot_count_mismatch" and err.value.expected == (2, 2)
 
 
+def test_a_ragged_prompt_end_copies_the_longest_run_a_next_page_begins_with():
+    # The prompt's last page, short of a page, copies the matched rows of a cached next page:
+    # the longest run wins, at most a page less one token (one is always left to compute).
+    cache = RadixCache(4, slot_unit="page")
+    cache.insert_prefix([1, 2, 3, 4, 5, 6, 7, 8], [10, 11])
+    cache.insert_prefix([1, 2, 3, 4, 5, 6, 9, 9], [10, 12])
+    matched = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert matched.cached_len == 4
+    assert cache.partial_page(matched.node, [5, 6, 7]) == (3, 11)
+    assert cache.partial_page(matched.node, [5, 6, 9, 9, 1]) == (3, 12)  # never the whole page
+    assert cache.partial_page(matched.node, [5, 7]) == (1, 11)  # ties keep the first page seen
+    assert cache.partial_page(matched.node, [8]) is None
+    assert cache.partial_page(matched.node, []) is None
+    cache.check_integrity()
+
+
+def test_partial_page_needs_page_slots():
+    cache, res = cache_with(A8, range(8))
+    with pytest.raises(RadixError) as err:
+        cache.partial_page(res.node, [1])
+    assert err.value.kind == "invalid_argument"
+
+
 # ---------------------------------------------------------------- conservation scenario
 
 
