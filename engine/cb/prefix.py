@@ -210,6 +210,7 @@ class RadixScheduler(FIFOScheduler):
 
     hooks: SchedulerHooks | None = None  # set by BatchRunner before the loop starts
     copies_partial_pages = True  # a prompt's ragged end may copy a cached page's rows (below)
+    hashes_last_pages = True  # a finished request's last written pages are hashed before release
 
     def __init__(
         self, cache: PagedAttentionCache, safety_margin: float | None, max_requests_per_batch: int
@@ -397,11 +398,30 @@ class RadixScheduler(FIFOScheduler):
         if ledger is not None:
             state = self.active_requests.get(request_id)
             if state is not None:
+                self._hash_last_pages(state)
                 self._sync_request(ledger, state)
                 if self.hooks is not None:
                     self.hooks.request_finishing(ledger, state)
             self._release(ledger, request_id)
         super().finish_request(request_id)
+
+    def _hash_last_pages(self, state) -> None:
+        """Hash the whole pages the request's last forward wrote, so they stay cached past its release.
+
+        The substrate hashes the pages a forward completed only while their request is unfinished,
+        so a request's last step left them unhashed and freed with it: a one-token answer, its whole
+        prompt (the next identical prompt recomputed every token). Not for a hybrid
+        (``hashes_last_pages``), whose pages reach the tree with its state snapshots.
+        """
+        if not self.hashes_last_pages:
+            return
+        allocator = self._allocator
+        written = min(state.position_offset // allocator.tokens_per_page,
+                      len(allocator.block_table.get(state.request_id, [])))
+        unhashed = written - len(self._hashed_prefix_blocks(state.request_id))
+        if unhashed > 0:
+            allocator.mark_complete_blocks(state.request_id, state.initial_tokens + state.generated_tokens,
+                                           unhashed)
 
     def clear_cancelled_requests(self):
         ledger = self._ledger

@@ -228,6 +228,23 @@ async def test_a_repeated_prompt_copies_its_ragged_end_and_computes_one_token(ti
         runner.stop()
 
 
+async def test_a_one_token_answer_leaves_its_prompt_pages_cached(tiny):
+    """A request that finishes on its first token (``max_tokens: 1``) keeps its prompt's whole pages
+    cached: the next identical prompt matches them. Prevents: the last step's pages left unhashed
+    and freed with the request (the substrate hashes only an unfinished request's pages)."""
+    model, tok = tiny
+    runner = make_runner(model, policy="radix")
+    try:
+        prompt = prompt_ids(tok, "Explain mixture of experts routing in detail, please.")
+        await run_all(runner, {"a": (prompt, 1, Sampling(temperature=0.0))})
+        again = await run_all(runner, {"b": (prompt, 4, Sampling(temperature=0.0))})
+        assert runner.cached_tokens("b") == (len(prompt) - 1) // PAGE * PAGE > 0
+        assert again["b"].generated_tokens == greedy_reference(model, prompt, 4)
+        runner.check_integrity()
+    finally:
+        runner.stop()
+
+
 async def _pressure_then_follow_up(model, tok, policy: str) -> tuple[int, list[list[int]], list[int]]:
     """Older cached junk, then turn one, then a request that needs a few more pages than are free.
 
