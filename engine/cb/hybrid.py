@@ -275,7 +275,7 @@ class HybridScheduler(RadixScheduler):
 
     cache: HybridPagedCache
     copies_partial_pages = False  # the recurrent state resumes only at a snapshot's page boundary
-    hashes_last_pages = False  # its pages reach the tree with their state snapshots (commit_snapshot)
+    hashes_last_pages = False  # kept as it was: a match here must also end at a state snapshot
 
     def _sync_request(self, ledger, state) -> None:  # noqa: ANN001 - the radix scheduler's signature
         super()._sync_request(ledger, state)

@@ -411,7 +411,7 @@ class RadixScheduler(FIFOScheduler):
         The substrate hashes the pages a forward completed only while their request is unfinished,
         so a request's last step left them unhashed and freed with it: a one-token answer, its whole
         prompt (the next identical prompt recomputed every token). Not for a hybrid
-        (``hashes_last_pages``), whose pages reach the tree with its state snapshots.
+        (``hashes_last_pages``), whose match must also end at a state snapshot: left as it was.
         """
         if not self.hashes_last_pages:
             return
