@@ -311,9 +311,7 @@ class RadixCache:
         want = tuple(ids[: self._page - 1])
         best: tuple[int, int] | None = None
         for key, child in node._children.items():
-            same = 0
-            while same < len(want) and key[same] == want[same]:
-                same += 1
+            same = _common_tokens(key, want, 0)
             if same and (best is None or same > best[0]):
                 best = (same, child._value[0])
         return best
@@ -494,13 +492,7 @@ class RadixCache:
 
     def _common_pages(self, key: tuple[int, ...], ids: tuple[int, ...], pos: int) -> int:
         """Tokens of ``key`` that equal ``ids[pos:]``, rounded down to whole pages."""
-        limit = min(len(key), len(ids) - pos)
-        if key[:limit] == ids[pos : pos + limit]:  # the common case, compared in C
-            same = limit
-        else:
-            same = 0
-            while key[same] == ids[pos + same]:
-                same += 1
+        same = _common_tokens(key, ids, pos)
         return same - same % self._page
 
     def _probe(self, ids: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
@@ -555,3 +547,14 @@ class RadixCache:
         node._parent = prefix
         prefix._children[node._key[: self._page]] = node
         return prefix
+
+
+def _common_tokens(key: tuple[int, ...], ids: tuple[int, ...], pos: int) -> int:
+    """How many leading tokens of ``key`` equal ``ids[pos:]``."""
+    limit = min(len(key), len(ids) - pos)
+    if key[:limit] == ids[pos : pos + limit]:  # the common case, compared in C
+        return limit
+    same = 0
+    while key[same] == ids[pos + same]:
+        same += 1
+    return same
