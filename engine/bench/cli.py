@@ -15,6 +15,7 @@ BENCHMARKS = {
     "engine": "moetray.engine.bench.offload",  # offloading engine vs resident vs accelerate (--formats)
     "peer": "moetray.engine.bench.peer",  # the same GGUF served by llama.cpp and by moetray
     "batch": "moetray.engine.bench.batch",  # batched decode: the experts runtime vs stock implementations
+    "gemv": "moetray.engine.bench.gemv",  # decode's int8 products per weight against the read bandwidth
     "decode": "moetray.engine.bench.decode",  # served decode per format: tok/s, bytes/token, bound, steps
     "serve": "moetray.engine.bench.serve",  # HTTP serving vs `transformers serve`
     "demo": "moetray.engine.bench.demo_quality",  # demo model perplexity and chat answers
