@@ -14,7 +14,11 @@ Rules:
   activations widened to float32 first (:func:`one_row_int8_product`): measured on this machine's
   CPU, one thread, a step's 30 layers of int8 attention and shared-expert linears took 3.3 ms that
   way against 4.3 ms as torch's weight-only int8 kernel (``_weight_int8pack_mm``, 240 calls from
-  the graph) and 10.9 ms reading bfloat16 activations in the loop. Other calls keep the kernel.
+  the graph) and 10.9 ms reading bfloat16 activations in the loop. Other calls keep
+  ``Int8Linear``'s product: up to eight rows the few-rows kernel (``engine/models/few_rows.py``).
+  That kernel at one row too, in place of this loop, measured slower in the step (demo, int8,
+  2 cores, one process each, paired runs: 13.2-13.5 against 12.5-12.6 ms a token): the loop
+  fuses with its neighbours, the kernel is a call of its own.
 - The LM head runs after the decoder, eagerly: its one-row products call a small compiled region
   of the same formula (the largest matrix of a small model: vocabulary × hidden; an int8 head too:
   1.1 ms against the int8 kernel's 1.7-2.1 ms on the demo's head, one thread), at one thread or

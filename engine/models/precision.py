@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetray.engine.models import few_rows
 from moetray.policy.precision import ServingFormat, choose_format, widened_rows, widens_int8_product
 
 log = logging.getLogger("moetray.engine.models.precision")
@@ -108,12 +109,18 @@ class WidenedProducts:
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor) -> torch.Tensor:
-    """``x @ (qweight · qscale)ᵀ`` for contiguous bfloat16 rows ``x`` ``[M, in]``: by torch's int8
-    kernel, or where :func:`~moetray.policy.precision.widens_int8_product` decides (many rows,
-    eager), by oneDNN's bfloat16 product over the weight widened a block at a time (exact), the
-    scale applied to its output, the rows padded to :func:`~moetray.policy.precision.widened_rows`.
-    Traced in a compiled step it is always the kernel."""
+    """``x @ (qweight · qscale)ᵀ`` for contiguous bfloat16 rows ``x`` ``[M, in]``: up to
+    :data:`~X` rows by ``moetray::int8_rows_mm`` where it
+    serves (each weight row read once for all rows), else by torch's int8 kernel, or where
+    :func:`~moetray.policy.precision.widens_int8_product` decides (many rows, eager), by oneDNN's
+    bfloat16 product over the weight widened a block at a time (exact), the scale applied to its
+    output, the rows padded to :func:`~moetray.policy.precision.widened_rows`. Traced in a compiled
+    step it is never widened."""
     rows, weights = x.shape[0], qweight.numel()
+    if few_rows.serves(rows) and qscale.dtype == torch.bfloat16:
+        if not torch.compiler.is_compiling():
+            few_rows.RowsProducts.count += 1
+        return torch.ops.moetray.int8_rows_mm(x, qweight, qscale)
     if torch.compiler.is_compiling() or not widens_int8_product(rows, weights):
         return torch.ops.aten._weight_int8pack_mm(x, qweight, qscale)
     WidenedProducts.count += 1
@@ -210,7 +217,9 @@ class Int8Embedding(nn.Module):
 def quantize_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` with an :class:`Int8Linear`; returns how many.
     A plain input embedding table becomes an :class:`Int8Embedding` (tied to the LM head: the
-    head's int8 rows); an embedding of its own kind (one that scales its rows) stays as it is."""
+    head's int8 rows); an embedding of its own kind (one that scales its rows) stays as it is.
+    Builds the few-rows kernel their products of up to eight rows take (:mod:`.few_rows`)."""
+    few_rows.build()
     lm: Any = model  # a transformers model: its embedding accessors
     table, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     tied = type(table) is nn.Embedding and type(head) is nn.Linear and head.weight is table.weight

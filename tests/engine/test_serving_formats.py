@@ -254,3 +254,43 @@ def test_int8_experts_refuse_the_eager_compute_mode(tiny_moe):
     with pytest.raises(UnknownComputeMode):
         load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=16,
                              expert_format="int8", compute="eager")
+
+
+def test_an_int8_product_of_a_few_rows_reads_each_weight_row_once_for_all_of_them():
+    """1 to 8 rows (a decode step of up to eight requests) take ``moetray::int8_rows_mm`` where it
+    builds: the float32 product with the dequantized weight, scaled and rounded to bfloat16 once,
+    for input widths with and without a tail past 32; nine rows take torch's kernel. Prevents: the
+    kernel unwired from the int8 linears (the counter stays), or a wrong tail, row or scale."""
+    from moetray.engine.models import few_rows
+
+    if few_rows.build() is not None:
+        pytest.skip(f"the few-rows kernel does not serve here: {few_rows.refusal()}")
+    torch.manual_seed(0)
+    for width in (40, 80, 576):
+        q = Int8Linear(nn.Linear(width, 96, bias=True))
+        for rows in range(1, few_rows.MAX_ROWS + (2 if width == 576 else 1)):
+            x = torch.randn(rows, width, dtype=torch.bfloat16)
+            ref = (x.float() @ (q.qweight.float() * q.qscale.float()[:, None]).T).to(torch.bfloat16).float()
+            before = few_rows.RowsProducts.count
+            got = q(x).float() - q.bias.float()
+            assert few_rows.RowsProducts.count == before + (rows <= few_rows.MAX_ROWS)
+            assert float((got - ref).abs().max()) <= 2 ** -6 * float(ref.abs().max()), (width, rows)
+
+
+def test_a_compiled_int8_linear_of_a_few_rows_calls_the_few_rows_kernel():
+    """Traced in a compiled step (a decode step of four requests), an int8 linear's product is the
+    few-rows kernel's call in the generated code, with its eager values. Prevents: the compiled
+    step keeping torch's kernel for its small batches."""
+    from torch._inductor.utils import run_and_get_code
+
+    from moetray.engine.models import few_rows
+
+    if few_rows.build() is not None:
+        pytest.skip(f"the few-rows kernel does not serve here: {few_rows.refusal()}")
+    torch.manual_seed(1)
+    q = Int8Linear(nn.Linear(96, 64, bias=True))
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got, code = run_and_get_code(torch.compile(q, fullgraph=True, dynamic=False), x)
+        assert "int8_rows_mm" in "\n".join(code) and "_weight_int8pack_mm" not in "\n".join(code)
+        assert torch.equal(got, q(x))
