@@ -7,8 +7,9 @@ This measures those products as the engine computes them, on weights that stream
 - ``compiled multiply-and-sum``: :func:`~moetray.engine.cb.one_row.one_row_int8_product`, the
   formula the compiled decode step traces for a one-row int8 linear (and the experts' kernel
   uses per token-expert pair);
-- ``int8 kernel``: :func:`~moetray.engine.models.precision.int8_product`, torch's weight-only
-  int8 kernel (``_weight_int8pack_mm``), what a linear of more than one row calls;
+- ``int8 kernel``: torch's weight-only int8 kernel (``_weight_int8pack_mm``);
+- ``few-rows kernel``: ``moetray::int8_rows_mm`` (:mod:`~moetray.engine.models.few_rows`), what an
+  int8 linear of 1 to 8 rows calls where it builds (left out where it does not);
 
 each as one compiled graph over every matrix (as a step's graph calls its products back to back:
 no Python between them), and against the read bandwidth of the same threads (``bench decode``'s:
@@ -29,7 +30,7 @@ import torch
 from moetray.engine.bench.results import receipt_name, write_receipt
 from moetray.engine.compiling import compile_region
 
-FORMS = ("compiled multiply-and-sum", "int8 kernel")
+FORMS = ("compiled multiply-and-sum", "int8 kernel", "few-rows kernel")
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -42,12 +43,22 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def _torch_int8_kernel(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, qweight, qscale)
+
+
+def _few_rows_kernel(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.moetray.int8_rows_mm(x, qweight, qscale)
+
+
 def measure(*, out_features: int, in_features: int, stream_mib: int, rows: list[int], threads: int,
             repeats: int) -> dict:
     """The measurements (see the module docstring); ``stream_mib`` of int8 weights in all."""
     from moetray.engine.bench.decode import read_bandwidth_gbs
     from moetray.engine.cb.one_row import one_row_int8_product
-    from moetray.engine.models.precision import int8_product
+    from moetray.engine.models import few_rows
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -61,7 +72,10 @@ def measure(*, out_features: int, in_features: int, stream_mib: int, rows: list[
         read_gbs = read_bandwidth_gbs(repeats)
         out: list[dict] = []
         with torch.no_grad():
-            for name, product in zip(FORMS, (one_row_int8_product, int8_product), strict=True):
+            products = {FORMS[0]: one_row_int8_product, FORMS[1]: _torch_int8_kernel}
+            if few_rows.build() is None:
+                products[FORMS[2]] = _few_rows_kernel
+            for name, product in products.items():
                 # One graph for a whole pass, as a step's graph calls its products back to back.
                 def one_pass(x: torch.Tensor, product=product) -> list[torch.Tensor]:
                     return [product(x, w, scale, None) for w in weights]
@@ -111,15 +125,16 @@ def main(argv: list[str]) -> int:
         columns=["threads", "rows", "form", "µs / matrix", "weight GB/s", "read GB/s",
                  "× read bandwidth", f"time × {rows[0]} row(s)"],
         rows=table,
-        title="Decode's int8 products per weight: the compiled multiply-and-sum and torch's int8 kernel "
-              "against the read bandwidth (CPU)",
+        title="Decode's int8 products per weight: the compiled multiply-and-sum, torch's int8 kernel and "
+              "the few-rows kernel against the read bandwidth (CPU)",
         notes=[f"{args.out_features}×{args.in_features} int8 matrices, {args.stream_mib} MiB in all "
                "(streamed from memory), bfloat16 activations, per-channel bfloat16 scales; best of "
                f"{args.repeats} passes over every matrix.",
                "Each form is one compiled graph over every matrix. compiled multiply-and-sum: "
                "one_row_int8_product (engine/cb/one_row.py), the loop the compiled decode step runs for "
                "a one-row int8 linear and, per token-expert pair, for the experts; int8 kernel: torch's "
-               "_weight_int8pack_mm, what a linear of more rows calls.",
+               "_weight_int8pack_mm; few-rows kernel: moetray::int8_rows_mm (engine/models/few_rows.py), "
+               "what an int8 linear of 1 to 8 rows calls.",
                "time × first rows: 1.0 would be a kernel that reads each weight once for all its rows; "
                "the growth measured here is a share of what a step of several requests costs more.",
                "reproduce: `.venv/bin/moetray bench gemv " + " ".join(argv) + "`"])
