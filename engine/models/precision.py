@@ -110,14 +110,15 @@ class WidenedProducts:
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor) -> torch.Tensor:
     """``x @ (qweight · qscale)ᵀ`` for contiguous bfloat16 rows ``x`` ``[M, in]``: up to
-    :data:`~X` rows by ``moetray::int8_rows_mm`` where it
-    serves (each weight row read once for all rows), else by torch's int8 kernel, or where
-    :func:`~moetray.policy.precision.widens_int8_product` decides (many rows, eager), by oneDNN's
-    bfloat16 product over the weight widened a block at a time (exact), the scale applied to its
-    output, the rows padded to :func:`~moetray.policy.precision.widened_rows`. Traced in a compiled
-    step it is never widened."""
+    :data:`~moetray.engine.models.few_rows.MAX_ROWS` rows of a contiguous weight by
+    ``moetray::int8_rows_mm`` where it serves (each weight row read once for all rows), else by
+    torch's int8 kernel, or where :func:`~moetray.policy.precision.widens_int8_product` decides
+    (many rows, eager), by oneDNN's bfloat16 product over the weight widened a block at a time
+    (exact), the scale applied to its output, the rows padded to
+    :func:`~moetray.policy.precision.widened_rows`. Traced in a compiled step it is never widened."""
     rows, weights = x.shape[0], qweight.numel()
-    if few_rows.serves(rows) and qscale.dtype == torch.bfloat16:
+    if (few_rows.serves(rows) and qscale.dtype == torch.bfloat16 and qweight.is_contiguous()
+            and qscale.is_contiguous()):
         if not torch.compiler.is_compiling():
             few_rows.RowsProducts.count += 1
         return torch.ops.moetray.int8_rows_mm(x, qweight, qscale)
