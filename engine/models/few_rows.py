@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from moetray.engine.models.row_cache import cache_folder
+
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8
@@ -62,9 +64,8 @@ class RowsProducts:
 
 
 def kernel_folder() -> Path:
-    """``$XDG_CACHE_HOME/moetray/kernels``, else under ``~/.cache``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path(os.environ.get("HOME") or Path.home()) / ".cache")
-    return Path(base) / "moetray" / "kernels"
+    """``kernels`` in moetray's cache folder (:func:`~moetray.engine.models.row_cache.cache_folder`)."""
+    return cache_folder(os.environ) / "kernels"
 
 
 def _library_path() -> Path:

@@ -31,10 +31,16 @@ _RULE_MODULES = (
 Stamp = list[list[Any]]
 
 
-def cache_path(environ: Mapping[str, str]) -> Path:
-    """``$XDG_CACHE_HOME/moetray/model-rows.json``, else under ``~/.cache``."""
+def cache_folder(environ: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME/moetray``, else ``~/.cache/moetray``: where moetray keeps what it derives
+    once per machine (the model rows here, the few-rows kernel's build)."""
     base = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".cache")
-    return Path(base) / "moetray" / CACHE_FILE
+    return Path(base) / "moetray"
+
+
+def cache_path(environ: Mapping[str, str]) -> Path:
+    """``model-rows.json`` in :func:`cache_folder`."""
+    return cache_folder(environ) / CACHE_FILE
 
 
 def file_stamp(files: Iterable[Path]) -> Stamp | None:
