@@ -193,12 +193,14 @@ def serving_format(spec: str, info: CheckpointInfo, device: torch.device):
     dtype where the device computes it, else float32 on the CPU). A GGUF file of plain floats names
     its dtype by its matrices' type (:attr:`~moetray.engine.models.gguf.GgufCheckpoint.float_dtype`);
     a quantized one its block types (:attr:`~moetray.engine.models.gguf.GgufCheckpoint.quantization`):
-    int8 or bfloat16 on a CPU that computes bfloat16, else float32; bfloat16 on a GPU."""
+    int8 or bfloat16 on a CPU that computes bfloat16, else float32; bfloat16 on a GPU. A float16
+    checkpoint's values are read where the rule asks whether they are all bfloat16 values."""
     from moetray.engine.models.precision import resolve_format
 
     if info.format == "gguf":
         gguf = info.gguf
-        return resolve_format(spec, None, device, named_dtype=gguf.float_dtype, quantized=gguf.quantization)
+        return resolve_format(spec, None, device, named_dtype=gguf.float_dtype, quantized=gguf.quantization,
+                              float16_tensors=gguf.float16_tensors)
     return resolve_format(spec, info.path, device)
 
 

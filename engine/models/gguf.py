@@ -23,7 +23,7 @@ import copy
 import logging
 import struct
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +107,16 @@ class GgufCheckpoint:
         if len(narrow) > 1:
             return None
         return str(narrow.pop() if narrow else torch.float32).removeprefix("torch.")
+
+    def float16_tensors(self) -> Iterator[torch.Tensor]:
+        """The file's F16 tensors as float16 views of its memory map, one at a time (no copy)."""
+        from moetray.engine.experts.codecs import PLAIN_TYPES, ggml_nbytes
+
+        files = _Files()
+        for t in self.tensors.values():
+            if PLAIN_TYPES.get(t.ggml_type) is torch.float16:
+                numel = int(np.prod(t.shape))
+                yield files.view(t.path, t.offset, ggml_nbytes(t.ggml_type, numel)).view(torch.float16)
 
     @property
     def quantization(self) -> str | None:

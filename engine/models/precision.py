@@ -26,6 +26,7 @@ import json
 import logging
 import platform
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,13 @@ import torch
 from torch import nn
 
 from moetray.engine.models import few_rows
-from moetray.policy.precision import ServingFormat, choose_format, widened_rows, widens_int8_product
+from moetray.policy.precision import (
+    ServingFormat,
+    choose_format,
+    measures_float16_values,
+    widened_rows,
+    widens_int8_product,
+)
 
 log = logging.getLogger("moetray.engine.models.precision")
 
@@ -64,16 +71,54 @@ def checkpoint_dtype(path: Path) -> str | None:
     return named if isinstance(named, str) else None
 
 
+FITS_BLOCK_VALUES = 1 << 24
+"""float16 values :func:`float16_fits_bfloat16` widens at a time (64 MiB of float32)."""
+
+
+def float16_fits_bfloat16(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every value of these float16 tensors is a bfloat16 value: its float32 widening
+    (exact) has zero low 16 bits, bfloat16 being float32's high half. Reads a block at a time and
+    stops at the first value that is not (a model trained in float16 fails on its first matrix)."""
+    for tensor in tensors:
+        flat = tensor.reshape(-1)
+        for lo in range(0, flat.numel(), FITS_BLOCK_VALUES):
+            bits = flat[lo:lo + FITS_BLOCK_VALUES].float().view(torch.int32)
+            if bool((bits & 0xFFFF).any()):
+                return False
+    return True
+
+
+def safetensors_float16(folder: Path) -> Iterator[torch.Tensor]:
+    """Every float16 tensor of a checkpoint folder's safetensors files, one at a time."""
+    from safetensors import safe_open
+
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if f.get_slice(name).get_dtype() == "F16":
+                    yield f.get_tensor(name)
+
+
 def resolve_format(spec: str, checkpoint: Path | None, device: torch.device,
-                   named_dtype: str | None = None, quantized: str | None = None) -> ServingFormat:
+                   named_dtype: str | None = None, quantized: str | None = None,
+                   float16_tensors: Callable[[], Iterable[torch.Tensor]] | None = None) -> ServingFormat:
     """The format to serve ``checkpoint`` in on ``device`` (``spec`` is ``--dtype``); refuses an
     unusable spec with :class:`moetray.policy.precision.FormatRefused`. ``named_dtype`` stands in
     for the config's dtype where the checkpoint is not a config folder (a GGUF file), and
-    ``quantized`` names a quantized file's block types (``choose_format``'s)."""
+    ``quantized`` names a quantized file's block types (``choose_format``'s); ``float16_tensors``
+    gives such a file's float16 tensors, read (:func:`float16_fits_bfloat16`) where the rule asks
+    whether they are bfloat16 values (a folder's are read from its safetensors files)."""
     named = named_dtype if named_dtype is not None else (checkpoint_dtype(checkpoint) if checkpoint else None)
-    chosen = choose_format(spec, device_kind=device.type, checkpoint_dtype=named,
-                           cpu_features=cpu_features() if device.type == "cpu" else frozenset(),
-                           quantized=quantized)
+    features = cpu_features() if device.type == "cpu" else frozenset()
+    fits = False
+    if measures_float16_values(spec, device_kind=device.type, checkpoint_dtype=named, cpu_features=features,
+                               quantized=quantized):
+        if float16_tensors is not None:
+            fits = float16_fits_bfloat16(float16_tensors())
+        elif checkpoint is not None:
+            fits = float16_fits_bfloat16(safetensors_float16(checkpoint))
+    chosen = choose_format(spec, device_kind=device.type, checkpoint_dtype=named, cpu_features=features,
+                           quantized=quantized, float16_is_bfloat16=fits)
     log.info("serving format: %s weights, %s compute (%s; %s)", chosen.weights, chosen.compute,
              chosen.reason, platform.machine())
     return chosen

@@ -58,3 +58,54 @@ def test_auto_serves_a_quantized_gguf_in_few_bytes_where_the_cpu_computes_bfloat
     fmt = loader.serving_format("auto", loader.inspect_checkpoint(files[qtype]), torch.device("cpu"))
     bf16 = "bfloat16" in native_16bit(cpu_features())
     assert (fmt.weights, fmt.compute) == ((weights, "bfloat16") if bf16 else ("float32", "float32"))
+
+
+def _as_float16_of_bfloat16_values(folder):
+    """Rewrite a checkpoint folder's weights as float16 holding bfloat16 values (as a converter writes
+    a model trained in bfloat16 to an F16 file), its config naming float16."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    for shard in folder.glob("*.safetensors"):
+        state = {k: v.to(torch.bfloat16).to(torch.float16) if v.is_floating_point() else v
+                 for k, v in load_file(str(shard)).items()}
+        save_file(state, str(shard), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dtype"] = "float16"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bfloat16_valued(tmp_path_factory):
+    root = tmp_path_factory.mktemp("f16-of-bf16")
+    folder = _as_float16_of_bfloat16_values(
+        make_tiny_moe(root / "src", "qwen3_moe", hidden=256, expert_inter=256, num_experts=8, top_k=2))
+    return {"folder": folder, "F16": export_gguf(folder, root / "tiny-F16.gguf", "F16")[0]}
+
+
+def _float16_of_bfloat16_values_served_as() -> str:
+    native = native_16bit(cpu_features())
+    return "float16" if "float16" in native else "bfloat16" if "bfloat16" in native else "float32"
+
+
+@pytest.mark.parametrize("kind", ["F16", "folder"])
+def test_float16_of_bfloat16_values_serves_bfloat16_where_float16_is_not_computed(bfloat16_valued, kind):
+    """The checkpoint's float16 values are read (a GGUF file's from its memory map, a folder's from its
+    safetensors) and found to be bfloat16 values, so a CPU that computes bfloat16 and not float16 serves
+    them in bfloat16, exactly, at two bytes a weight. Prevents: an F16 file of a model trained in
+    bfloat16 decoded in float32 (measured 0.15× llama.cpp's tok/s on the same file)."""
+    fmt = loader.serving_format("auto", loader.inspect_checkpoint(bfloat16_valued[kind]), torch.device("cpu"))
+    expected = _float16_of_bfloat16_values_served_as()
+    assert (fmt.weights, fmt.compute) == (expected, expected)
+    if expected == "bfloat16":
+        assert "every value of it is a bfloat16 value" in fmt.reason
+
+
+def test_float16_values_that_are_not_bfloat16_values_are_not_rounded(files):
+    """The random source's float16 values have more significant bits than bfloat16 keeps: measured,
+    they are served in float32 (or float16 where the CPU computes it), never rounded to bfloat16."""
+    fmt = loader.serving_format("auto", loader.inspect_checkpoint(files["F16"]), torch.device("cpu"))
+    assert fmt.weights in ("float32", "float16")
+    assert "bfloat16 value" not in fmt.reason

@@ -17,6 +17,7 @@ from moetray.engine.models.precision import (  # noqa: E402
     Int8Linear,
     WidenedProducts,
     apply_format,
+    float16_fits_bfloat16,
     quantize_linears,
     route_single_row_steps,
 )
@@ -294,3 +295,14 @@ def test_a_compiled_int8_linear_of_a_few_rows_calls_the_few_rows_kernel():
         got, code = run_and_get_code(torch.compile(q, fullgraph=True, dynamic=False), x)
         assert "int8_rows_mm" in "\n".join(code) and "_weight_int8pack_mm" not in "\n".join(code)
         assert torch.equal(got, q(x))
+
+
+def test_float16_values_fit_bfloat16_exactly_when_their_low_mantissa_bits_are_zero():
+    """bfloat16 keeps 8 significant bits, float16 11: a float16 value is a bfloat16 value when its last
+    three are zero, subnormals included (bfloat16's exponent reaches far below them); the read stops at
+    the first that is not."""
+    fits = torch.tensor([0.0, -0.0, 1.0, -2.5, 1 + 2**-7, 2**-24, 3 * 2**-24, 65280.0, float("inf")])
+    assert float16_fits_bfloat16([fits.to(torch.float16)])
+    for value in (1 + 2**-10, 1 + 2**-8, 257 * 2**-24):
+        assert not float16_fits_bfloat16([fits.to(torch.float16), torch.tensor([value], dtype=torch.float16)])
+    assert float16_fits_bfloat16([])

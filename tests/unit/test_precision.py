@@ -12,6 +12,7 @@ from moetray.policy.precision import (
     FP16_FEATURES,
     FormatRefused,
     choose_format,
+    measures_float16_values,
     native_16bit,
     widened_rows,
     widens_int8_product,
@@ -157,3 +158,34 @@ def test_past_the_step_widened_rows_pad_to_a_multiple_of_it():
 @given(st.integers(1, 100_000))
 def test_widened_rows_cover_the_rows_and_at_most_double_them(rows):
     assert rows <= widened_rows(rows) <= 2 * rows
+
+
+def test_float16_of_bfloat16_values_on_a_bf16_cpu_serves_bfloat16_exactly():
+    got = choose_format("auto", device_kind="cpu", checkpoint_dtype="float16", cpu_features=ZEN4,
+                        float16_is_bfloat16=True)
+    assert (got.compute, got.weights) == ("bfloat16", "bfloat16")
+    assert "avx512_bf16" in got.reason and "exact" in got.reason
+
+
+def test_float16_of_bfloat16_values_keeps_float16_where_the_cpu_computes_it():
+    assert choose_format("auto", device_kind="cpu", checkpoint_dtype="float16", cpu_features=SAPPHIRE,
+                         float16_is_bfloat16=True).compute == "float16"
+
+
+def test_float16_of_bfloat16_values_without_bf16_arithmetic_widens_to_float32():
+    assert choose_format("auto", device_kind="cpu", checkpoint_dtype="float16", cpu_features=OLD_X86,
+                         float16_is_bfloat16=True).compute == "float32"
+
+
+def test_the_float16_values_are_measured_only_where_the_rule_asks():
+    def asks(requested="auto", device_kind="cpu", named="float16", features=ZEN4, quantized=None):
+        return measures_float16_values(requested, device_kind=device_kind, checkpoint_dtype=named,
+                                       cpu_features=features, quantized=quantized)
+
+    assert asks()
+    assert not asks(requested="float32")
+    assert not asks(device_kind="cuda")
+    assert not asks(named="bfloat16")
+    assert not asks(features=SAPPHIRE)
+    assert not asks(features=OLD_X86)
+    assert not asks(quantized="Q8_0")
