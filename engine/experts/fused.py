@@ -12,9 +12,11 @@ sum over top-k fuse around them.
 
 Lossy against ``grouped_mm`` (another summation order), so it serves only formats that are
 lossy anyway: 16-bit slots and int8 rows (whose scales fuse into the reduction). float32 keeps
-the exact grouped path, the token-identity reference. Each pair reads its own expert's weights,
-so a batch of many tokens would read the shared experts many times: past
-:data:`FUSED_MAX_TOKENS` the grouped path (one GEMM per expert over all its rows) takes over.
+the exact grouped path, the token-identity reference. Each pair's reduction reads its own expert's
+weights, so a batch of several tokens would read an expert once per token routed to it: int8 rows
+of two tokens or more go to ``moetray::int8_experts_mm`` instead (:data:`GROUPED_MIN_TOKENS`),
+which computes the pairs of one slot together; past :data:`FUSED_MAX_TOKENS` the grouped path (one
+GEMM per expert over all its rows) takes over.
 
 Compiled per dtype, geometry and gate at warm-up (:meth:`FusedExperts.warm_up`: batch 1, then
 2, after which the batch size is symbolic; the pool's capacity is symbolic from the start, so a
@@ -34,10 +36,11 @@ from moetray.engine.compiling import compile_region
 from moetray.engine.experts.hf import ExpertsModule
 from moetray.engine.experts.int8 import Int8Layout
 from moetray.engine.experts.store import ExpertGeometry, unpack_row
+from moetray.engine.models import few_rows
 from moetray.policy.step_threads import DECODE_STEP_TOKENS
 
-__all__ = ["FUSED_DTYPES", "FUSED_MAX_TOKENS", "FusedExperts", "PoolViews", "compile_kernel",
-           "fused_refusal"]
+__all__ = ["FUSED_DTYPES", "FUSED_MAX_TOKENS", "GROUPED_MIN_TOKENS", "FusedExperts", "PoolViews",
+           "compile_kernel", "fused_refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -125,17 +128,39 @@ def float_buffer(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.float(), pad], dim=-1)[..., :-1]
 
 
+def _grouped_project(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_project` of int8 rows by ``moetray::int8_experts_mm``: the pairs routed to one slot
+    are computed together, so each routed expert's weights are read once for all its tokens."""
+    out = torch.ops.moetray.int8_experts_mm(x, w, scale, slots)
+    return out if bias is None else out + bias[slots]
+
+
 def _experts(module: ExpertsModule, states: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
              first: torch.Tensor, first_scale: torch.Tensor | None, first_bias: torch.Tensor | None,
              down: torch.Tensor, down_scale: torch.Tensor | None, down_bias: torch.Tensor | None,
              has_gate: bool, transposed: bool) -> torch.Tensor:
-    """``[T, H], [T, k] slots, [T, k] weights → [T, H]``: the MoE layer's routed experts."""
-    x = states if first_scale is None else float_buffer(states)  # int8 rows: see float_buffer
-    h = _project(x, first, slots, first_scale, first_bias, transposed).to(states.dtype)
-    h = module._apply_gate(h) if has_gate else module.act_fn(h)
-    out = _project(h, down, slots, down_scale, down_bias, transposed)
+    """``[T, H], [T, k] slots, [T, k] weights → [T, H]``: the MoE layer's routed experts. Int8 rows
+    of more than one token go to the grouped kernel (:data:`GROUPED_MIN_TOKENS`) where it is loaded."""
+    if (first_scale is not None and down_scale is not None and states.shape[0] >= GROUPED_MIN_TOKENS
+            and few_rows.loaded()):
+        h = _grouped_project(states, first, slots, first_scale, first_bias).to(states.dtype)
+        h = module._apply_gate(h) if has_gate else module.act_fn(h)
+        out = _grouped_project(h, down, slots, down_scale, down_bias)
+    else:
+        x = states if first_scale is None else float_buffer(states)  # int8 rows: see float_buffer
+        h = _project(x, first, slots, first_scale, first_bias, transposed).to(states.dtype)
+        h = module._apply_gate(h) if has_gate else module.act_fn(h)
+        out = _project(h, down, slots, down_scale, down_bias, transposed)
     return (out * weights.unsqueeze(-1).float()).sum(1).to(states.dtype)
 
+
+GROUPED_MIN_TOKENS = 2
+"""Tokens from which a layer call's int8 experts take ``moetray::int8_experts_mm``
+(:mod:`~moetray.engine.models.few_rows`): with one token each routed expert has one pair, and the
+compiled reduction fuses with the gate and the sum over top-k around it; from two, pairs share
+experts (the demo's 12 of 16 at four tokens: 48 pairs, about 16 experts), and the kernel reads each
+expert once for all of them where the reduction reads it once per pair."""
 
 KERNEL_GRAPHS = 64
 """Graphs dynamo may compile for the kernel in one process (its default stops at 8): one per dtype,
@@ -156,6 +181,8 @@ class FusedExperts:
         self.geometry = geometry
         self.int8_layout = int8_layout
         self.transposed = geometry.is_transposed and int8_layout is None  # int8 rows are [out, in]
+        if int8_layout is not None:
+            few_rows.build()  # the grouped kernel of a step's int8 experts (GROUPED_MIN_TOKENS)
         self.views = self._views(rows)
         self.calls = 0  # layer calls the kernel computed (what tests and benches count)
 

@@ -1,19 +1,31 @@
-// moetray::int8_rows_mm: x [M, K] bfloat16 (M <= 8) times an int8 weight [N, K] with per-row scales
-// [N] bfloat16, in float32, rounded once: (x @ qweightᵀ) · qscale, as torch's _weight_int8pack_mm.
-// Each weight row is read once for all M rows, into 2·M independent float32 accumulators (a
-// one-accumulator loop is bound by its add latency; see engine/models/few_rows.py).
+// moetray's few-rows int8 products, each weight row read once for all the activation rows that
+// multiply it, into 2·M independent float32 accumulators per row (a one-accumulator loop is bound
+// by its add latency; see engine/models/few_rows.py):
+// - int8_rows_mm: x [M, K] bfloat16 (M <= 8) times an int8 weight [N, K] with per-row scales [N]
+//   bfloat16, in float32, rounded once: (x @ qweightᵀ) · qscale, as torch's _weight_int8pack_mm.
+// - int8_experts_mm: a decode step's routed experts, each token-expert pair's rows times its slot's
+//   int8 weight [N, K] of a pool [C, N, K] (scales [C, N]); the pairs that share a slot are computed
+//   together, so a step reads each routed expert once, not once per token routed to it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <vector>
+
 namespace {
 
 constexpr int64_t kMaxRows = 8;
 
-template <int M>
-void rows_range(const float* x, int64_t K, const int8_t* w, const at::BFloat16* scale, at::BFloat16* out,
-                int64_t N, int64_t n0, int64_t n1) {
+inline __m512 widen16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Output rows [n0, n1) of M activation rows xs[m] (float32, K each) times the int8 rows of w (row n at
+// w + n·K), scaled by scale[n]; row m's outputs go to outs[m][n].
+template <int M, typename Out>
+void dot_rows(const float* const* xs, int64_t K, const int8_t* w, const at::BFloat16* scale,
+              Out* const* outs, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * K;
     __m512 acc0[M], acc1[M];
@@ -23,34 +35,43 @@ void rows_range(const float* x, int64_t K, const int8_t* w, const at::BFloat16* 
     }
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-      __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + k))));
-      __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + k + 16))));
+      __m512 w0 = widen16(row + k), w1 = widen16(row + k + 16);
       for (int m = 0; m < M; ++m) {
-        acc0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), w0, acc0[m]);
-        acc1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16), w1, acc1[m]);
+        acc0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[m] + k), w0, acc0[m]);
+        acc1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[m] + k + 16), w1, acc1[m]);
       }
     }
     if (k + 16 <= K) {
-      __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + k))));
-      for (int m = 0; m < M; ++m) acc0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), w0, acc0[m]);
+      __m512 w0 = widen16(row + k);
+      for (int m = 0; m < M; ++m) acc0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[m] + k), w0, acc0[m]);
       k += 16;
     }
     const float s = static_cast<float>(scale[n]);
     for (int m = 0; m < M; ++m) {
       float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
-      for (int64_t t = k; t < K; ++t) sum += x[m * K + t] * static_cast<float>(row[t]);
-      out[m * N + n] = static_cast<at::BFloat16>(sum * s);
+      for (int64_t t = k; t < K; ++t) sum += xs[m][t] * static_cast<float>(row[t]);
+      outs[m][n] = static_cast<Out>(sum * s);
     }
   }
 }
 
-template <int M>
-void rows_all(const float* x, int64_t K, const int8_t* w, const at::BFloat16* scale, at::BFloat16* out,
-              int64_t N) {
-  // Blocks of output rows per task: ~64 KiB of weights, so a team's threads share the rows evenly.
-  const int64_t grain = std::max<int64_t>(16, (64 << 10) / std::max<int64_t>(K, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows_range<M>(x, K, w, scale, out, N, n0, n1); });
+template <typename Out>
+void dot_rows_of(int rows, const float* const* xs, int64_t K, const int8_t* w, const at::BFloat16* scale,
+                 Out* const* outs, int64_t n0, int64_t n1) {
+  switch (rows) {
+    case 1: dot_rows<1>(xs, K, w, scale, outs, n0, n1); break;
+    case 2: dot_rows<2>(xs, K, w, scale, outs, n0, n1); break;
+    case 3: dot_rows<3>(xs, K, w, scale, outs, n0, n1); break;
+    case 4: dot_rows<4>(xs, K, w, scale, outs, n0, n1); break;
+    case 5: dot_rows<5>(xs, K, w, scale, outs, n0, n1); break;
+    case 6: dot_rows<6>(xs, K, w, scale, outs, n0, n1); break;
+    case 7: dot_rows<7>(xs, K, w, scale, outs, n0, n1); break;
+    default: dot_rows<8>(xs, K, w, scale, outs, n0, n1); break;
+  }
 }
+
+// Output rows per task: ~64 KiB of weights, so a team's threads share the rows evenly.
+int64_t grain_of(int64_t K) { return std::max<int64_t>(16, (64 << 10) / std::max<int64_t>(K, 1)); }
 
 at::Tensor int8_rows_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& qscale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: [M, K] bfloat16");
@@ -63,20 +84,74 @@ at::Tensor int8_rows_mm(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "1 to 8 rows");
   at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = xf.data_ptr<float>();
+  const float* xs[kMaxRows];
+  at::BFloat16* outs[kMaxRows];
+  for (int64_t m = 0; m < M; ++m) {
+    xs[m] = xf.data_ptr<float>() + m * K;
+    outs[m] = out.data_ptr<at::BFloat16>() + m * N;
+  }
   const int8_t* wp = qweight.data_ptr<int8_t>();
   const at::BFloat16* sp = qscale.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  switch (M) {
-    case 1: rows_all<1>(xp, K, wp, sp, op, N); break;
-    case 2: rows_all<2>(xp, K, wp, sp, op, N); break;
-    case 3: rows_all<3>(xp, K, wp, sp, op, N); break;
-    case 4: rows_all<4>(xp, K, wp, sp, op, N); break;
-    case 5: rows_all<5>(xp, K, wp, sp, op, N); break;
-    case 6: rows_all<6>(xp, K, wp, sp, op, N); break;
-    case 7: rows_all<7>(xp, K, wp, sp, op, N); break;
-    default: rows_all<8>(xp, K, wp, sp, op, N); break;
+  at::parallel_for(0, N, grain_of(K), [&](int64_t n0, int64_t n1) {
+    dot_rows_of<at::BFloat16>(static_cast<int>(M), xs, K, wp, sp, outs, n0, n1);
+  });
+  return out;
+}
+
+at::Tensor int8_experts_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& qscale,
+                           const at::Tensor& slots) {
+  TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong, "slots: [T, k] int64");
+  const int64_t T = slots.size(0), top = slots.size(1);
+  TORCH_CHECK(x.dim() == 2 || (x.dim() == 3 && x.size(1) == top), "x: [T, K] or [T, k, K]");
+  TORCH_CHECK(x.size(0) == T, "x and slots disagree on T");
+  TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kChar && qweight.stride(2) == 1 &&
+                  qweight.stride(1) == qweight.size(2),
+              "qweight: [C, N, K] int8, each slot's [N, K] contiguous");
+  TORCH_CHECK(qscale.dim() == 2 && qscale.scalar_type() == at::kBFloat16 && qscale.stride(1) == 1,
+              "qscale: [C, N] bfloat16, each slot's [N] contiguous");
+  const int64_t C = qweight.size(0), N = qweight.size(1), K = qweight.size(2);
+  TORCH_CHECK(x.size(-1) == K && qscale.size(0) == C && qscale.size(1) == N, "shapes disagree");
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor sl = slots.contiguous();
+  at::Tensor out = at::empty({T, top, N}, x.options().dtype(at::kFloat));
+  const int64_t P = T * top, x_per_pair = x.dim() == 3 ? 1 : top;
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  // The pairs of each slot, in groups of at most kMaxRows (a token routes to a slot at most once, so a
+  // decode step of up to eight tokens makes one group per routed slot).
+  std::vector<int64_t> order(P);
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(sp[p] >= 0 && sp[p] < C, "a slot outside the pool");
+    order[p] = p;
   }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sp[a] < sp[b]; });
+  std::vector<std::pair<int64_t, int64_t>> groups;  // [begin, end) in order
+  for (int64_t p = 0; p < P;) {
+    int64_t q = p;
+    while (q < P && sp[order[q]] == sp[order[p]] && q - p < kMaxRows) ++q;
+    groups.emplace_back(p, q);
+    p = q;
+  }
+  const int64_t blocks = (N + grain_of(K) - 1) / grain_of(K), G = static_cast<int64_t>(groups.size());
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int8_t* wp = qweight.data_ptr<int8_t>();
+  const at::BFloat16* scp = qscale.data_ptr<at::BFloat16>();
+  const int64_t grain = grain_of(K);
+  at::parallel_for(0, G * blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const auto [b, e] = groups[i / blocks];
+      const int64_t n0 = (i % blocks) * grain, n1 = std::min(N, n0 + grain);
+      const float* xs[kMaxRows];
+      float* outs[kMaxRows];
+      for (int64_t j = b; j < e; ++j) {
+        xs[j - b] = xp + (order[j] / x_per_pair) * K;
+        outs[j - b] = op + order[j] * N;
+      }
+      const int64_t slot = sp[order[b]];
+      dot_rows_of<float>(static_cast<int>(e - b), xs, K, wp + slot * qweight.stride(0),
+                         scp + slot * qscale.stride(0), outs, n0, n1);
+    }
+  });
   return out;
 }
 
@@ -84,8 +159,10 @@ at::Tensor int8_rows_mm(const at::Tensor& x, const at::Tensor& qweight, const at
 
 TORCH_LIBRARY_FRAGMENT(moetray, m) {
   m.def("int8_rows_mm(Tensor x, Tensor qweight, Tensor qscale) -> Tensor");
+  m.def("int8_experts_mm(Tensor x, Tensor qweight, Tensor qscale, Tensor slots) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moetray, CPU, m) {
   m.impl("int8_rows_mm", &int8_rows_mm);
+  m.impl("int8_experts_mm", &int8_experts_mm);
 }

@@ -1,4 +1,4 @@
-"""The int8 product of a decode step's few rows: each weight row read once for all of them.
+"""The int8 products of a decode step's few rows: each weight row read once for all of them.
 
 A step of a few requests multiplies every int8 matrix by a few activation rows. torch's weight-only
 int8 kernel (``_weight_int8pack_mm``) and inductor's generated loop both keep one float32
@@ -20,13 +20,18 @@ Measured on this project's AMD EPYC host (2 cores), 140 matrices of 512×576:
   26.4 against 29.8 and 30.6 against 38.5 ms a step (medians of 3 rounds), the LM head's 4-row
   product 2.2-2.8 against 3.2-4.1 ms.
 
+The same loop computes a decode step's routed int8 experts (``moetray::int8_experts_mm``, called by
+the compiled experts kernel, ``engine/experts/fused.py``, from two tokens up): a step of a few
+tokens routes them to overlapping experts, and the token-expert pairs of one slot are computed
+together, up to eight at a time, each output row's weights loaded once for all of them.
+
 Rules:
 - Built once per machine when an int8 model's linears are quantized (:func:`build`, called by
   ``quantize_linears``), by the C++ compiler inductor uses, with
   AVX512 (F, BW, VL), FMA and OpenMP (``at::parallel_for`` shares a product's output rows over the
   step's intra-op threads; the process's OpenMP runtime is torch's, loaded first), into
   ``$XDG_CACHE_HOME/moetray/kernels`` under a name that hashes the source, torch's version and the
-  flags; loaded as ``moetray::int8_rows_mm``.
+  flags; loaded as ``moetray::int8_rows_mm`` and ``moetray::int8_experts_mm``.
 - Serves 1 to :data:`MAX_ROWS` rows (:func:`serves`) on a CPU whose torch capability is AVX512;
   elsewhere, or where the build fails, the reason is kept (:func:`refusal`) and torch's kernel serves.
 """
@@ -103,6 +108,7 @@ def build() -> str | None:
                     _compile(target)
                 torch.ops.load_library(str(target))
                 torch.library.register_fake("moetray::int8_rows_mm")(_rows_shape)
+                torch.library.register_fake("moetray::int8_experts_mm")(_experts_shape)
             except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: torch's kernel serves
                 why = f"{type(exc).__name__}: {str(exc)[:300]}"
         if why is not None:
@@ -115,12 +121,22 @@ def _rows_shape(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor) ->
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
+def _experts_shape(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((slots.shape[0], slots.shape[1], qweight.shape[1]), dtype=torch.float32)
+
+
 def refusal() -> str | None:
     """Why the kernel does not serve (None: it does, or :func:`build` has not run)."""
     return _REFUSAL[0] if _REFUSAL else None
 
 
+def loaded() -> bool:
+    """Whether the kernels are built and loaded (``moetray::int8_experts_mm`` serves any batch)."""
+    return _REFUSAL == [None]
+
+
 def serves(rows: int) -> bool:
     """Whether the kernel computes a product of ``rows`` rows: built, loaded, at most
     :data:`MAX_ROWS` rows."""
-    return _REFUSAL == [None] and 1 <= rows <= MAX_ROWS
+    return loaded() and 1 <= rows <= MAX_ROWS

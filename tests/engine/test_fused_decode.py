@@ -178,3 +178,58 @@ def test_the_int8_kernel_loads_its_rows_at_float32_width(tiny_moe):
     lanes = {int(n) for n in re.findall(r"Vectorized<int8_t>::loadu\([^;]*?(\d+)\)\)", "\n".join(code))}
     assert lanes == {16}, lanes
     assert _rel(got, want) < 1e-2
+
+
+def test_int8_experts_of_several_tokens_are_read_once_per_step_by_the_grouped_kernel(tiny_moe):
+    """int8 rows, two or more tokens: the compiled kernel calls ``moetray::int8_experts_mm``, which
+    computes every pair routed to one slot together (the expert's rows read once for all its tokens),
+    with the per-pair reduction's values; one token keeps the reduction (it fuses with its
+    neighbours). Prevents: the grouped kernel unwired from the decode steps of several requests."""
+    from torch._inductor.utils import run_and_get_code
+
+    from moetray.engine.experts import fused
+    from moetray.engine.models import few_rows
+
+    rt = _runtime(tiny_moe("qwen3_moe", "per_expert"), capacity=8, expert_format="int8").runtime
+    if not few_rows.loaded():
+        pytest.skip(f"the few-rows kernels do not serve here: {few_rows.refusal()}")
+    for tokens, grouped in ((1, False), (4, True)):
+        module, layer, states, index, weights = _call(rt, 0, tokens, seed=tokens)
+        slots = rt.fused_slots(layer, index)
+        kernel = torch.compile(fused._experts, fullgraph=True, dynamic=False)
+        with torch.no_grad():
+            got, code = run_and_get_code(rt.fused.traced, module, states, slots, weights, kernel=kernel)
+            v = rt.fused.views
+            x = fused.float_buffer(states)
+            h = fused._project(x, v.first, slots, v.first_scale, v.first_bias, False).to(states.dtype)
+            h = module._apply_gate(h)
+            out = fused._project(h, v.down, slots, v.down_scale, v.down_bias, False)
+            want = (out * weights.unsqueeze(-1).float()).sum(1).to(states.dtype)
+        assert ("int8_experts_mm" in "\n".join(code)) is grouped, tokens
+        assert _rel(got, want) < 1e-2, (tokens, _rel(got, want))
+
+
+@pytest.mark.parametrize("per_pair", [False, True])
+def test_the_grouped_kernel_computes_each_pair_from_its_slot_in_groups_of_up_to_eight(per_pair):
+    """``moetray::int8_experts_mm`` against the dequantized formula, for the first projection's
+    shared rows (``[T, K]``) and the down projection's rows per pair (``[T, k, K]``), on a strided pool
+    (the slot rows' layout), with ten tokens on one slot (groups of eight, then two) and an input width
+    with a tail past 32. Prevents: a pair computed from another's row, slot or scale."""
+    from moetray.engine.models import few_rows
+
+    if few_rows.build() is not None:
+        pytest.skip(f"the few-rows kernels do not serve here: {few_rows.refusal()}")
+    gen = torch.Generator().manual_seed(5)
+    capacity, out_f, width, tokens, top = 6, 48, 72, 10, 3
+    rows = torch.randint(-127, 128, (capacity, out_f * width + 256), generator=gen, dtype=torch.int8)
+    qweight = rows[:, :out_f * width].view(capacity, out_f, width)
+    qscale = torch.rand(capacity, out_f + 8, generator=gen).to(torch.bfloat16)[:, :out_f]
+    slots = torch.stack([torch.randperm(capacity, generator=gen)[:top] for _ in range(tokens)])
+    slots[:, 0] = 2  # every token on slot 2
+    x = torch.randn((tokens, top, width) if per_pair else (tokens, width), generator=gen)
+    got = torch.ops.moetray.int8_experts_mm(x.to(torch.bfloat16), qweight, qscale, slots)
+    xs = x.to(torch.bfloat16).float()
+    xs = xs if per_pair else xs[:, None, :].expand(tokens, top, width)
+    want = (xs.unsqueeze(-2) * qweight[slots].float()).sum(-1) * qscale[slots].float()
+    assert got.dtype == torch.float32 and got.shape == (tokens, top, out_f)
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
