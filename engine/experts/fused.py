@@ -160,7 +160,12 @@ GROUPED_MIN_TOKENS = 2
 (:mod:`~moetray.engine.models.few_rows`): with one token each routed expert has one pair, and the
 compiled reduction fuses with the gate and the sum over top-k around it; from two, pairs share
 experts (the demo's 12 of 16 at four tokens: 48 pairs, about 16 experts), and the kernel reads each
-expert once for all of them where the reduction reads it once per pair."""
+expert once for all of them where the reduction reads it once per pair. Measured on this project's
+AMD EPYC host, the demo's geometry (30 layers of 12-of-16 int8 experts, 64 neurons) in one compiled
+graph with the C++ wrapper and a symbolic batch, 2 threads, ms a pass: 2 tokens 5.3 against the
+reduction's 8.5, 4 tokens 6.6 against 11.5, 8 tokens 11.8 against 23.5 (one thread: 10.3 against
+20.4 at 4). Served at four requests (int8, processes interleaved, two rounds each): the step's
+graph 25.1-29.8 against 28.6-31.8 ms, the machine's speed drifting more than that between runs."""
 
 KERNEL_GRAPHS = 64
 """Graphs dynamo may compile for the kernel in one process (its default stops at 8): one per dtype,
