@@ -5,8 +5,11 @@ compiles llama.cpp; skipped with a message where it is not installed), in a chil
 own so its RSS is its own; moetray runs as ``moetray serve --model FILE`` in another child, driven
 over HTTP with streaming. Same file, same prompts, same thread count, greedy decode; measured at
 concurrency 1 and 4: decode tok/s per request (tokens after the first / time after the first),
-aggregate tok/s, TTFT, and each process's RSS. llama-cpp-python's ``Llama`` decodes one sequence
-at a time, so its concurrent requests queue behind one another: its concurrency-4 figures show that.
+aggregate tok/s, TTFT, and each process's RSS. Both are up at once and take turns, round by round
+(``--rounds``): this project's 2-core hosts drift by a third in speed within minutes, so each
+ratio is the median of its rounds' own ratios (:func:`paired_ratio`). llama-cpp-python's ``Llama``
+decodes one sequence at a time, so its concurrent requests queue behind one another: its
+concurrency-4 figures show that.
 
 ``--llama-server BIN`` runs llama.cpp's own OpenAI server instead (a CUDA build on a GPU), driven by
 the same client as moetray, one slot per concurrent request (it batches them). On a GPU,
@@ -91,22 +94,27 @@ def one(prompt, sent, tokens=cfg["tokens"]):
                 first = time.perf_counter()
     end = time.perf_counter()
     return {"ttft": (first or end) - sent, "tokens": n, "decode_s": end - (first or end)}
-out = {}
 one(cfg["prompts"][0], time.perf_counter())  # warm-up
-for conc in cfg["concurrency"]:
-    start = time.perf_counter()  # a round's requests are all sent now and answered in turn
-    results = [one(p, start) for p in cfg["prompts"][:conc]]
-    out[str(conc)] = {"requests": results, "wall_s": time.perf_counter() - start}
-if cfg["long_prompt"]:
-    out["long"] = one(cfg["long_prompt"], time.perf_counter(), cfg["long_tokens"])
-out["rss"] = psutil.Process().memory_info().rss
-print(json.dumps(out))
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    ask = json.loads(line)
+    if "concurrency" in ask:
+        start = time.perf_counter()  # a round's requests are all sent now and answered in turn
+        results = [one(p, start) for p in cfg["prompts"][:ask["concurrency"]]]
+        out = {"requests": results, "wall_s": time.perf_counter() - start}
+    elif "long_prompt" in ask:
+        out = one(ask["long_prompt"], time.perf_counter(), ask["tokens"])
+    else:
+        out = {"rss": psutil.Process().memory_info().rss}
+    print(json.dumps(out), flush=True)
 """
-"""llama-cpp-python's side of a run, in a child of its own. One ``Llama`` decodes one sequence at a
-time, so a round's requests are answered one after another, each first token timed from the round's
-start (when a server would have received them all). They run on the child's main thread: called from
-another thread, llama.cpp decoded the demo ~3× slower on this project's third 2-core host (22 against 74
-tok/s, Q8_0, 2 threads), and earlier receipts of this bench, which called it so, took that as its speed."""
+"""llama-cpp-python's side of a run, in a child of its own that answers one JSON line per command on
+its stdin (a round at one concurrency, the long prompt, its RSS). One ``Llama`` decodes one sequence
+at a time, so a round's requests are answered one after another, each first token timed from the
+round's start (when a server would have received them all). They run on the child's main thread:
+called from another thread, llama.cpp decoded the demo ~3× slower on this project's third 2-core host
+(22 against 74 tok/s, Q8_0, 2 threads), and earlier receipts of this bench, which called it so, took
+that as its speed."""
 
 
 def _progress(msg: str) -> None:
@@ -121,20 +129,36 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def _summary(runs: dict[str, Any]) -> dict[str, Any]:
+def _round_figures(run: dict[str, Any]) -> dict[str, Any]:
+    """One round's figures: per-request decode tok/s (median), aggregate tok/s, TTFT (median)."""
+    reqs = run["requests"]
+    decode = [(r["tokens"] - 1) / r["decode_s"] for r in reqs if r["tokens"] > 1 and r["decode_s"] > 0]
+    return {
+        "decode_tok_s": statistics.median(decode) if decode else None,
+        "aggregate_tok_s": sum(r["tokens"] for r in reqs) / run["wall_s"],
+        "ttft_ms": statistics.median(r["ttft"] for r in reqs) * 1e3,
+        "tokens": [r["tokens"] for r in reqs],
+    }
+
+
+def summary(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per concurrency, each figure's median over the rounds (:func:`_round_figures`), and the rounds'
+    own figures beside them."""
     out = {}
-    for conc, run in runs.items():
-        if not conc.isdigit():
-            continue
-        reqs = run["requests"]
-        decode = [(r["tokens"] - 1) / r["decode_s"] for r in reqs if r["tokens"] > 1 and r["decode_s"] > 0]
-        out[conc] = {
-            "decode_tok_s": statistics.median(decode) if decode else None,
-            "aggregate_tok_s": sum(r["tokens"] for r in reqs) / run["wall_s"],
-            "ttft_ms": statistics.median(r["ttft"] for r in reqs) * 1e3,
-            "tokens": [r["tokens"] for r in reqs],
-        }
+    for conc, runs in rounds.items():
+        each = [_round_figures(run) for run in runs]
+        out[conc] = {key: statistics.median(v for f in each if (v := f[key]) is not None)
+                     if any(f[key] is not None for f in each) else None
+                     for key in ("decode_tok_s", "aggregate_tok_s", "ttft_ms")}
+        out[conc]["rounds"] = each
     return out
+
+
+def paired_ratio(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], key: str) -> float | None:
+    """The median over rounds of moetray's figure ÷ llama.cpp's in the same round (rounds alternate the
+    two, so a machine whose speed drifts between rounds moves both figures of a pair alike)."""
+    pairs = [a[key] / b[key] for a, b in zip(ours, theirs, strict=True) if a[key] and b[key]]
+    return statistics.median(pairs) if pairs else None
 
 
 LONG_TTFT_GOAL = "long_prompt_ttft_le_1.0x"
@@ -158,27 +182,58 @@ def long_prompt_note(long: dict[str, dict[str, Any]]) -> str:
             f"prefix with them, moetray's no later than llama.cpp's): {met}: {cells}.")
 
 
-def _run_llama(model: Path, args) -> dict[str, Any]:
-    cfg = {
-        "model": str(model),
-        "threads": args.threads,
-        "n_ctx": LLAMA_CONTEXT,
-        "tokens": args.tokens,
-        "prompts": PROMPTS,
-        "concurrency": args.concurrency,
-        "long_prompt": long_prompt(args.long_prompt_words) if args.long_prompt_words else None,
-        "long_tokens": LONG_TOKENS,
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", _LLAMA_CHILD, json.dumps(cfg)],
-        env=peer_env(),
-        capture_output=True,
-        text=True,
-        timeout=args.timeout,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp child failed ({exit_reason(done.returncode)}): {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+class _LlamaChild:
+    """llama-cpp-python in a child process, driven a command at a time (:data:`_LLAMA_CHILD`)."""
+
+    def __init__(self, model: Path, args) -> None:
+        cfg = {"model": str(model), "threads": args.threads, "n_ctx": LLAMA_CONTEXT, "tokens": args.tokens,
+               "prompts": PROMPTS}
+        self.timeout = args.timeout
+        self.log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / "llama-cpp-python.log"
+        self._err = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-c", _LLAMA_CHILD, json.dumps(cfg)], env=peer_env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+                                     text=True, start_new_session=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both piped above
+        self._in, self._out = self.proc.stdin, self.proc.stdout
+        self._answer()  # loaded and warmed up
+
+    def _answer(self) -> dict[str, Any]:
+        """The child's next line, within the run's timeout; a child that dies or stalls is named."""
+        done: list[str] = []
+        reader = threading.Thread(target=lambda: done.append(self._out.readline()), daemon=True)
+        reader.start()
+        reader.join(self.timeout)
+        if not done or not done[0]:
+            code = self.proc.poll()
+            why = exit_reason(code) if code is not None else f"no answer within {self.timeout:.0f} s"
+            self.stop()
+            raise RuntimeError(f"llama.cpp child failed ({why}): see {self.log}")
+        return json.loads(done[0])
+
+    def _ask(self, **command: Any) -> dict[str, Any]:
+        self._in.write(json.dumps(command) + "\n")
+        self._in.flush()
+        return self._answer()
+
+    def round(self, conc: int) -> dict[str, Any]:
+        return self._ask(concurrency=conc)
+
+    def long(self, words: int) -> dict[str, Any]:
+        return self._ask(long_prompt=long_prompt(words), tokens=LONG_TOKENS)
+
+    def footprint(self) -> dict[str, Any]:
+        return {"rss": self._ask(rss=True)["rss"]}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self._in.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._err.close()
 
 
 def _stream_one(url: str, prompt: str, tokens: int) -> dict[str, Any]:
@@ -211,25 +266,17 @@ def _stream_one(url: str, prompt: str, tokens: int) -> dict[str, Any]:
     return {"ttft": (first or end) - t0, "tokens": n, "decode_s": end - (first or end)}
 
 
-def _drive(url: str, args) -> dict[str, Any]:
-    """One warm-up request, then each of ``args.concurrency``'s rounds: its requests and wall time."""
-    out: dict[str, Any] = {}
-    _stream_one(url, PROMPTS[0], args.tokens)
-    for conc in args.concurrency:
-        results: list[dict[str, Any]] = []
-        start = time.perf_counter()
-        threads = [
-            threading.Thread(target=lambda p=p, out=results: out.append(_stream_one(url, p, args.tokens)))
-            for p in PROMPTS[:conc]
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        out[str(conc)] = {"requests": results, "wall_s": time.perf_counter() - start}
-    if args.long_prompt_words:
-        out["long"] = _stream_one(url, long_prompt(args.long_prompt_words), LONG_TOKENS)
-    return out
+def _round(url: str, conc: int, tokens: int) -> dict[str, Any]:
+    """One round: ``conc`` requests at once, their results and the round's wall time."""
+    results: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    threads = [threading.Thread(target=lambda p=p: results.append(_stream_one(url, p, tokens)))
+               for p in PROMPTS[:conc]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"requests": results, "wall_s": time.perf_counter() - start}
 
 
 def _footprint(pid: int, before: int | None) -> dict[str, Any]:
@@ -248,28 +295,64 @@ def _footprint(pid: int, before: int | None) -> dict[str, Any]:
     }
 
 
-def _measure(name: str, cmd: list[str], port: int, env: dict[str, str], ready: Callable[[Any], bool],
-             args: argparse.Namespace,
-             after: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One server child from start to stop: ready, driven (:func:`_drive`), its footprint read, then
-    ``after(url)``'s extra fields; its log goes to a folder of its own."""
-    from moetray.engine.telemetry import nvml_used_bytes
+class _Server:
+    """A server child (moetray serve, or llama.cpp's own server) driven over HTTP like a client would:
+    ready, warmed up with one request, then a round or the long prompt at a time; its log goes to a
+    folder of its own."""
 
-    log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / f"{name.replace(' ', '-')}.log"
-    before = nvml_used_bytes(0)
-    child = Child(name, cmd, port, env, log)
-    try:
-        child.wait_ready(ready, args.timeout)
-        out = _drive(child.url, args)
-        out.update(_footprint(child.proc.pid, before))
-        if after is not None:
-            out.update(after(child.url))
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str],
+                 ready: Callable[[Any], bool], args: argparse.Namespace,
+                 about: Callable[[str], dict[str, Any]] | None = None) -> None:
+        from moetray.engine.telemetry import nvml_used_bytes
+
+        self.tokens, self.about = args.tokens, about
+        log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / f"{name.replace(' ', '-')}.log"
+        self.before = nvml_used_bytes(0)
+        self.child = Child(name, cmd, port, env, log)
+        self.child.wait_ready(ready, args.timeout)
+        try:
+            _stream_one(self.child.url, PROMPTS[0], args.tokens)
+        except BaseException:
+            self.child.stop()
+            raise
+
+    def round(self, conc: int) -> dict[str, Any]:
+        return _round(self.child.url, conc, self.tokens)
+
+    def long(self, words: int) -> dict[str, Any]:
+        return _stream_one(self.child.url, long_prompt(words), LONG_TOKENS)
+
+    def footprint(self) -> dict[str, Any]:
+        out = _footprint(self.child.proc.pid, self.before)
+        if self.about is not None:
+            out.update(self.about(self.child.url))
         return out
-    finally:
-        child.stop()
+
+    def stop(self) -> None:
+        self.child.stop()
 
 
-def _run_moetray(model: Path, args, capacity: str | None) -> dict[str, Any]:
+def _interleaved(llama, ours, args) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``args.rounds`` rounds of every concurrency, the two servers taking turns (which goes first
+    alternates), then the long prompt on each and their footprints; returns (llama.cpp's, moetray's)
+    rounds per concurrency, long prompt and footprint."""
+    runs: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+    for r in range(args.rounds):
+        for conc in args.concurrency:
+            order = ((0, llama), (1, ours)) if r % 2 == 0 else ((1, ours), (0, llama))
+            for i, engine in order:
+                runs[i].setdefault(str(conc), []).append(engine.round(conc))
+    out = []
+    for i, engine in enumerate((llama, ours)):
+        done: dict[str, Any] = {"rounds": runs[i]}
+        if args.long_prompt_words:
+            done["long"] = engine.long(args.long_prompt_words)
+        done.update(engine.footprint())
+        out.append(done)
+    return out[0], out[1]
+
+
+def _start_moetray(model: Path, args, capacity: str | None) -> _Server:
     import httpx
 
     from moetray.engine.serve import DEFAULT_PORT
@@ -295,10 +378,10 @@ def _run_moetray(model: Path, args, capacity: str | None) -> dict[str, Any]:
                 "dtype": dtype if weights in (None, dtype) else f"{weights} weights on {dtype}",
                 "moe_slots": status["pools"]["moe_slots"]}
 
-    return _measure("moetray serve", cmd, port, env, engine_serving, args, after=served)
+    return _Server("moetray serve", cmd, port, env, engine_serving, args, about=served)
 
 
-def _run_llama_server(model: Path, args, n_cpu_moe: int | None) -> dict[str, Any]:
+def _start_llama_server(model: Path, args, n_cpu_moe: int | None) -> _Server:
     """llama.cpp's own OpenAI server (``--llama-server``) on ``model``, driven like moetray: one slot per
     request of the largest concurrency (it batches them), the same context as moetray's KV pool."""
     from moetray.engine.bench.serve import free_port
@@ -311,7 +394,7 @@ def _run_llama_server(model: Path, args, n_cpu_moe: int | None) -> dict[str, Any
     ]
     if n_cpu_moe is not None:
         cmd += ["--n-cpu-moe", str(n_cpu_moe)]
-    return _measure("llama-server", cmd, port, peer_env(), lambda r: r.status_code == 200, args)
+    return _Server("llama-server", cmd, port, peer_env(), lambda r: r.status_code == 200, args)
 
 
 def rss_goal(moetray_rss: int, llama_rss: int, dtype: str | None) -> dict[str, Any]:
@@ -427,6 +510,8 @@ def parser() -> argparse.ArgumentParser:
                    "(where the demo cannot be built, such as a lent GPU)")
     p.add_argument("--types", default="F16,Q8_0", help="with the demo: the GGUF types to export and compare")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of every concurrency, the two servers taking turns (ratios: paired medians)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--long-prompt-words", type=int, default=LONG_PROMPT_WORDS,
                    help="words of the long prompt whose first token is timed after the rounds (0: none)")
@@ -468,12 +553,19 @@ def main(argv: list[str]) -> int:
     files = _files(args, workdir)
     for label, path in files:
         for setting, n_cpu_moe, capacity in _settings(args):
-            _progress(f"{label}, {setting}: llama.cpp")
-            llama = (_run_llama_server(path, args, n_cpu_moe) if args.llama_server is not None
-                     else _run_llama(path, args))
-            _progress(f"{label}, {setting}: moetray")
-            ours = _run_moetray(path, args, capacity)
-            ls, ms = _summary(llama), _summary(ours)
+            _progress(f"{label}, {setting}: starting llama.cpp and moetray")
+            llama_engine = (_start_llama_server(path, args, n_cpu_moe) if args.llama_server is not None
+                            else _LlamaChild(path, args))
+            try:
+                ours_engine = _start_moetray(path, args, capacity)
+                try:
+                    _progress(f"{label}, {setting}: {args.rounds} rounds, taking turns")
+                    llama, ours = _interleaved(llama_engine, ours_engine, args)
+                finally:
+                    ours_engine.stop()
+            finally:
+                llama_engine.stop()
+            ls, ms = summary(llama["rounds"]), summary(ours["rounds"])
             if n_cpu_moe is None:
                 rss[label] = rss_goal(ours["rss"], llama["rss"], ours.get("dtype"))
                 if "long" in ours and "long" in llama:
@@ -497,8 +589,7 @@ def main(argv: list[str]) -> int:
                     "rss_ratio": ours["rss"] / llama["rss"],
                 }
                 for key in ("decode_tok_s", "aggregate_tok_s", "ttft_ms"):
-                    a, b = ms[conc][key], ls[conc][key]
-                    row[f"{key}_ratio"] = a / b if a and b else None
+                    row[f"{key}_ratio"] = paired_ratio(ms[conc]["rounds"], ls[conc]["rounds"], key)
                 rows.append(row)
                 table.append([
                     label, setting, int(conc), ls[conc]["decode_tok_s"], ms[conc]["decode_tok_s"],
@@ -519,6 +610,7 @@ def main(argv: list[str]) -> int:
         args.receipt,
         params={
             "threads": args.threads,
+            "rounds": args.rounds,
             "tokens": args.tokens,
             "concurrency": args.concurrency,
             "moe_capacity": args.moe_capacity,
@@ -539,7 +631,9 @@ def main(argv: list[str]) -> int:
         rows=table,
         title=f"moetray vs llama.cpp on the same GGUF ({peer}, moetray on --device {args.device})",
         notes=[
-            "Same file, prompts, thread count and greedy decode; each server in its own child process. "
+            "Same file, prompts, thread count and greedy decode; each server in its own child process, both "
+            f"up at once, taking turns round by round ({args.rounds} rounds of each concurrency; figures: "
+            "medians over the rounds; ratios: the median of each round's moetray ÷ llama.cpp). "
             "Decode tok/s: per request, tokens after the first over the time after the first (median). "
             + ("llama-cpp-python's Llama decodes one sequence at a time: a round's requests are answered "
                "in turn on its main thread, each first token timed from the round's start."

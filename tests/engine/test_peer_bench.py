@@ -116,3 +116,36 @@ def test_the_long_prompt_goal_is_met_only_when_moetrays_first_token_is_no_later(
     assert faster["met"] and faster["ratio"] == 0.5 and not slower["met"]
     assert "NOT met" in peer.long_prompt_note({"a": faster, "b": slower})
     assert ": met:" in peer.long_prompt_note({"a": faster}) and "not measured" in peer.long_prompt_note({})
+
+
+def _run(tokens: int, decode_s: float, ttft: float, wall_s: float) -> dict:
+    return {"requests": [{"tokens": tokens, "decode_s": decode_s, "ttft": ttft}], "wall_s": wall_s}
+
+
+def test_rounds_summarise_as_medians_and_ratios_pair_each_round_with_its_turn():
+    """Rounds alternate the two servers, so a machine that slows between rounds slows both figures of
+    a pair: the ratio is the median of the rounds' own ratios, not a ratio of medians taken at different
+    speeds. Prevents: one slow hour on one side reading as a win or a loss (each side used to run once,
+    one after the other)."""
+    # moetray 2x llama.cpp in every round, the machine 3x slower in the last one.
+    theirs = [_run(11, 1.0, 0.01, 1.0), _run(11, 1.0, 0.01, 1.0), _run(11, 3.0, 0.03, 3.0)]
+    ours = [_run(11, 0.5, 0.01, 0.5), _run(11, 0.5, 0.01, 0.5), _run(11, 1.5, 0.03, 1.5)]
+    ls, ms = peer.summary({"1": theirs}), peer.summary({"1": ours})
+    assert ls["1"]["decode_tok_s"] == 10.0 and ms["1"]["decode_tok_s"] == 20.0
+    assert len(ms["1"]["rounds"]) == 3
+    assert peer.paired_ratio(ms["1"]["rounds"], ls["1"]["rounds"], "decode_tok_s") == 2.0
+    # Out of turn (moetray's slow round paired with a fast llama.cpp round) the median would still be 2;
+    # a ratio of one slow round against one fast one would not.
+    assert peer.paired_ratio(ms["1"]["rounds"][2:], ls["1"]["rounds"][:1], "decode_tok_s") != 2.0
+    assert peer.paired_ratio([{"decode_tok_s": None}], [{"decode_tok_s": 1.0}], "decode_tok_s") is None
+
+
+def test_the_llama_child_answers_one_command_per_line_and_names_its_death(tmp_path):
+    """The persistent llama.cpp child is driven a line at a time; one that dies mid-run is named by how
+    it died (here before it loaded: no llama_cpp model at that path), never waited on forever."""
+    import argparse
+
+    pytest.importorskip("llama_cpp")
+    args = argparse.Namespace(threads=1, tokens=4, timeout=120)
+    with pytest.raises(RuntimeError, match="llama.cpp child failed"):
+        peer._LlamaChild(tmp_path / "missing.gguf", args)
