@@ -161,6 +161,25 @@ def paired_ratio(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], key: 
     return statistics.median(pairs) if pairs else None
 
 
+SPEED_GOALS = (("decode_tok_s_ratio", 1, ">=", 1.0, "one request's decode tok/s"),
+               ("aggregate_tok_s_ratio", 4, ">=", 1.5, "aggregate tok/s at four requests"),
+               ("ttft_ms_ratio", 1, "<=", 1.0, "a short prompt's first token"))
+"""Issue 15's speed goals, as (row ratio, concurrency, comparison, bound, what it measures)."""
+
+
+def speed_goals_note(rows: list[dict[str, Any]]) -> str:
+    """The speed goals per file, from the rows' paired ratios: met or NOT met, by how much."""
+    cells = []
+    for key, conc, cmp, bound, what in SPEED_GOALS:
+        for row in rows:
+            ratio = row.get(key)
+            if row["concurrency"] != conc or row["setting"] != "resident" or ratio is None:
+                continue
+            met = "met" if (ratio >= bound if cmp == ">=" else ratio <= bound) else "NOT met"
+            cells.append(f"{row['file']} {what} {ratio:.2f}× (goal {cmp} {bound}: {met})")
+    return "Speed goals (issue 15), moetray ÷ llama.cpp: " + ("; ".join(cells) or "none measured") + "."
+
+
 LONG_TTFT_GOAL = "long_prompt_ttft_le_1.0x"
 """The goal's name in receipts: moetray's first token of the long prompt no later than llama.cpp's."""
 
@@ -641,6 +660,7 @@ def main(argv: list[str]) -> int:
                "llama-server batches its concurrent requests (one slot each, --parallel)."),
             "Device MiB: NVML's figure for the server's process where the driver names it, else the "
             "GPU's memory in use while it served over before it started (— without an NVIDIA GPU).",
+            speed_goals_note(rows),
             rss_goal_note(goal),
             long_prompt_note(long),
             f"reproduce: `.venv/bin/moetray bench peer {shlex.join(_without_workdir(argv))}`",

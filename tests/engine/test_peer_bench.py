@@ -149,3 +149,13 @@ def test_the_llama_child_answers_one_command_per_line_and_names_its_death(tmp_pa
     args = argparse.Namespace(threads=1, tokens=4, timeout=120)
     with pytest.raises(RuntimeError, match="llama.cpp child failed"):
         peer._LlamaChild(tmp_path / "missing.gguf", args)
+
+
+def test_the_speed_goals_are_stated_per_file_met_or_not():
+    rows = [{"file": "demo Q8_0", "setting": "resident", "concurrency": 1, "decode_tok_s_ratio": 0.67,
+             "ttft_ms_ratio": 0.43},
+            {"file": "demo Q8_0", "setting": "resident", "concurrency": 4, "aggregate_tok_s_ratio": 1.6}]
+    note = peer.speed_goals_note(rows)
+    assert "decode tok/s 0.67× (goal >= 1.0: NOT met)" in note
+    assert "four requests 1.60× (goal >= 1.5: met)" in note
+    assert "first token 0.43× (goal <= 1.0: met)" in note
