@@ -47,7 +47,7 @@ from typing import Any
 
 from moetray.engine.bench.exits import exit_reason
 from moetray.engine.bench.results import receipt_name, results_dir, write_receipt
-from moetray.engine.bench.serve import Child, engine_serving
+from moetray.engine.bench.serve import Child, engine_serving, stop_process_group
 from moetray.engine.bench.targets import peer_env
 
 PROMPTS = [
@@ -147,10 +147,11 @@ def summary(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out = {}
     for conc, runs in rounds.items():
         each = [_round_figures(run) for run in runs]
-        out[conc] = {key: statistics.median(v for f in each if (v := f[key]) is not None)
-                     if any(f[key] is not None for f in each) else None
-                     for key in ("decode_tok_s", "aggregate_tok_s", "ttft_ms")}
-        out[conc]["rounds"] = each
+        figures: dict[str, Any] = {"rounds": each}
+        for key in ("decode_tok_s", "aggregate_tok_s", "ttft_ms"):
+            values = [f[key] for f in each if f[key] is not None]
+            figures[key] = statistics.median(values) if values else None
+        out[conc] = figures
     return out
 
 
@@ -245,13 +246,8 @@ class _LlamaChild:
         return {"rss": self._ask(rss=True)["rss"]}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self._in.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process_group(self.proc)
+        self._in.close()
         self._err.close()
 
 

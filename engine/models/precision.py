@@ -89,10 +89,13 @@ def float16_fits_bfloat16(tensors: Iterable[torch.Tensor]) -> bool:
 
 
 def safetensors_float16(folder: Path) -> Iterator[torch.Tensor]:
-    """Every float16 tensor of a checkpoint folder's safetensors files, one at a time."""
+    """Every float16 tensor of a checkpoint folder's safetensors files (the loader's
+    :func:`~moetray.engine.experts.loader.checkpoint_files`), one at a time."""
     from safetensors import safe_open
 
-    for shard in sorted(Path(folder).glob("*.safetensors")):
+    from moetray.engine.experts.loader import checkpoint_files  # engine.experts imports this module
+
+    for shard in checkpoint_files(folder):
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if f.get_slice(name).get_dtype() == "F16":
