@@ -51,7 +51,7 @@ from moetray.engine.cb.one_row import (
 )
 from moetray.engine.cb.state import StateGeometry
 from moetray.engine.compiling import CPP_WRAPPER, UNCHECKED_WRAPPER, compile_region
-from moetray.engine.experts.runtime import runtimes_in
+from moetray.engine.experts.runtime import MODULE_ATTRIBUTE_PREFIX, runtimes_in
 from moetray.policy.step_threads import step_threads
 
 log = logging.getLogger(__name__)
@@ -170,22 +170,32 @@ thread count or a new kind of step needs. Dynamo counts them per code object, an
 code object of its own (:func:`_own_code`). At the limit a step fails and runs eagerly."""
 
 MODULE_GUARDS_KEPT = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "ID_MATCH"})
-"""The guards on the decoder's modules that a step's graph keeps: values the trace read as
-constants (config numbers, an experts runtime's key and compute mode)."""
+"""The guards on the decoder's modules that a step's graph keeps, on the attributes moetray binds to
+them (``MODULE_ATTRIBUTE_PREFIX``): an experts runtime and its layer, which a rebuild may rebind."""
+
+UNCHANGING_GUARDS = frozenset({"DUPLICATE_INPUT", "NOT_PRESENT_IN_GENERIC_DICT"})
+"""Guards on an input or a global that serving never changes: two inputs being one object (the
+runner makes a step's index tensors; the paged cache's parts are its own) and an attribute being
+shadowed on an instance (the library's registries, the cache's allocators; the cache's one
+shadowed method is installed before its first step and checked by its type and closure)."""
 
 
-def keeps_step_guard(guard_type: str, *, from_module: bool) -> bool:
+def keeps_step_guard(guard_type: str, *, name: str, from_module: bool) -> bool:
     """Whether a compiled step checks this guard before every step. Pure.
 
-    Dynamo guards everything the trace read: on the demo (30 layers) that is ~8,900 guards, ~8,000
-    of them on the decoder's modules (hook dicts empty, attributes not shadowed, types, every
-    parameter's metadata), checked before each step, ~1-1.5 ms of a 20 ms step. Installed once and
-    never restructured while serving (formats convert at load, hooks are not added, a re-split
-    rebinds the expert pool's views at a symbolic capacity), those modules only need their
-    constants checked; inputs, global state and shapes keep every guard. Measured, demo in
-    bfloat16, interleaved servers: ~1,250 guards left, decode at batch 1 +5-10 % tok/s, batch 4 +2-3 %.
-    A graph never serves another decoder: each step's code object is its own (:func:`_own_code`)."""
-    return not from_module or guard_type in MODULE_GUARDS_KEPT
+    Dynamo guards everything the trace read: on the demo (30 layers) that is ~9,700 guards for the
+    one-token graph, ~8,400 of them on the decoder's modules (hook dicts empty, attributes not
+    shadowed, types, every parameter's metadata, every config number), checked before each step.
+    Installed once and never restructured while serving (formats convert at load, hooks are not
+    added, a re-split rebinds the expert pool's views at a symbolic capacity), the modules only need
+    moetray's own attributes checked; of the rest, :data:`UNCHANGING_GUARDS` go too; inputs, global
+    state and shapes keep every other guard. Measured, demo in int8 at batch 1 (one process,
+    rounds interleaved): keeping every module constant (1,372 guards) cost ~1 ms of a ~14 ms step
+    against checking none (dynamo's ``skip_guard_eval_unsafe``); this rule (~330) matched checking
+    none. A graph never serves another decoder: each step's code object is its own (:func:`_own_code`)."""
+    if from_module:
+        return guard_type in MODULE_GUARDS_KEPT and MODULE_ATTRIBUTE_PREFIX in name
+    return guard_type not in UNCHANGING_GUARDS
 
 
 _STEP_CODES = itertools.count()
@@ -259,7 +269,8 @@ class CompiledDecodeStep:
         return out
 
     def _filter_guards(self, entries: list[Any]) -> list[bool]:
-        keep = [keeps_step_guard(e.guard_type, from_module=e.orig_guard.source.is_unspecialized_nn_module())
+        keep = [keeps_step_guard(e.guard_type, name=e.name,
+                                 from_module=e.orig_guard.source.is_unspecialized_nn_module())
                 for e in entries]
         self.guards_kept = sum(keep)
         self.guards_dropped = len(keep) - self.guards_kept

@@ -78,8 +78,11 @@ COMPUTE_MODES = ("grouped_mm", "eager")
 DEFAULT_COMPUTE = "grouped_mm"
 """transformers' own default experts implementation, and the faster of the two on batched steps."""
 
-_RUNTIME_ATTR = "_moetray_runtime"
-_LAYER_ATTR = "_moetray_layer"
+MODULE_ATTRIBUTE_PREFIX = "_moetray"
+"""The prefix of the attributes :func:`attach` sets on an experts module (its runtime, its layer):
+the only module state a rebuild rebinds, so the compiled decode step keeps their guards."""
+_RUNTIME_ATTR = f"{MODULE_ATTRIBUTE_PREFIX}_runtime"
+_LAYER_ATTR = f"{MODULE_ATTRIBUTE_PREFIX}_layer"
 
 
 class UnknownComputeMode(Refused, ValueError):
