@@ -16,7 +16,8 @@ the same client as moetray, one slot per concurrent request (it batches them). O
 ``--device cuda`` serves moetray there too, each server's device memory is read from NVML, and
 ``--offload CAPACITY:N`` adds rows with experts off the GPU: moetray's expert cache at that capacity
 against llama.cpp's ``--n-cpu-moe N`` (the first N layers' experts kept and computed on the CPU).
-``--twin DIR`` serves a seeded random-weight model of DIR's config and tokenizer where the demo
+Both clients send ``logit_bias`` banning the file's control tokens (:func:`text_only_bias`), so each
+request decodes ``--tokens`` tokens on both servers. ``--twin DIR`` serves a seeded random-weight model of DIR's config and tokenizer where the demo
 cannot be built (``bench/gpu/run.sh``: a lent GPU takes 64 MiB of files).
 
 The receipt states the RSS goal (issue 15: moetray's RSS ≤ :data:`RSS_GOAL_RATIO` × llama.cpp's
@@ -69,6 +70,27 @@ def long_prompt(words: int) -> str:
     return f"Summarize these field notes in one line: {body}."
 
 
+CONTROL_TOKEN = 3
+"""``tokenizer.ggml.token_type`` of a control token (end of text, end of turn, …): gguf-py's
+``TokenType.CONTROL``."""
+BAN = -100.0
+"""The OpenAI ``logit_bias`` value that bans a token."""
+
+
+def text_only_bias(model: Path) -> dict[str, float]:
+    """``logit_bias`` banning every control token of ``model``'s vocabulary, sent by both servers'
+    clients: each request then decodes exactly ``--tokens`` tokens of text. Greedy decoding in two
+    arithmetics (llama.cpp's F16 or Q8_0, moetray's bfloat16 or int8) ends the same prompt at
+    different lengths (19 against 31 tokens on the first prompt), so without it the two servers
+    would do different work, and four requests ending one by one would leave moetray's batch
+    partly empty: the same amount of work on both sides is what a speed ratio compares."""
+    from moetray.engine.models.gguf import read_headers
+
+    _, metadata, _ = read_headers(model)
+    types = metadata.get("tokenizer.ggml.token_type") or []
+    return {str(token): BAN for token, kind in enumerate(types) if kind == CONTROL_TOKEN}
+
+
 LLAMA_CONTEXT = 2048
 """llama.cpp's context per request (llama-cpp-python's ``n_ctx``; llama-server gets one per slot)."""
 LONG_TOKENS = 4
@@ -87,7 +109,9 @@ llm = Llama(model_path=cfg["model"], n_threads=cfg["threads"], n_threads_batch=c
 def one(prompt, sent, tokens=cfg["tokens"]):
     msgs = [{"role": "user", "content": prompt}]
     first = None; n = 0
-    for chunk in llm.create_chat_completion(msgs, max_tokens=tokens, temperature=0.0, stream=True):
+    bias = {int(token): value for token, value in cfg["logit_bias"].items()}
+    for chunk in llm.create_chat_completion(msgs, max_tokens=tokens, temperature=0.0, stream=True,
+                                            logit_bias=bias):
         if chunk["choices"][0]["delta"].get("content"):
             n += 1
             if first is None:
@@ -205,9 +229,9 @@ def long_prompt_note(long: dict[str, dict[str, Any]]) -> str:
 class _LlamaChild:
     """llama-cpp-python in a child process, driven a command at a time (:data:`_LLAMA_CHILD`)."""
 
-    def __init__(self, model: Path, args) -> None:
+    def __init__(self, model: Path, args, bias: dict[str, float]) -> None:
         cfg = {"model": str(model), "threads": args.threads, "n_ctx": LLAMA_CONTEXT, "tokens": args.tokens,
-               "prompts": PROMPTS}
+               "prompts": PROMPTS, "logit_bias": bias}
         self.timeout = args.timeout
         self.log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / "llama-cpp-python.log"
         self._err = open(self.log, "w")  # noqa: SIM115 - closed in stop()
@@ -251,7 +275,7 @@ class _LlamaChild:
         self._err.close()
 
 
-def _stream_one(url: str, prompt: str, tokens: int) -> dict[str, Any]:
+def _stream_one(url: str, prompt: str, tokens: int, bias: dict[str, float]) -> dict[str, Any]:
     """One streamed chat request, timed from its sending: the HTTP client is built before the clock
     starts (building one, its TLS context included, took ~20 ms of a short prompt's first token on
     this project's 2-core hosts; llama-cpp-python's figures, called in its own process, pay nothing
@@ -264,6 +288,7 @@ def _stream_one(url: str, prompt: str, tokens: int) -> dict[str, Any]:
         "max_tokens": tokens,
         "temperature": 0,
         "stream": True,
+        "logit_bias": bias,
     }
     first, n = None, 0
     with httpx.Client(timeout=600) as client:
@@ -281,11 +306,11 @@ def _stream_one(url: str, prompt: str, tokens: int) -> dict[str, Any]:
     return {"ttft": (first or end) - t0, "tokens": n, "decode_s": end - (first or end)}
 
 
-def _round(url: str, conc: int, tokens: int) -> dict[str, Any]:
+def _round(url: str, conc: int, tokens: int, bias: dict[str, float]) -> dict[str, Any]:
     """One round: ``conc`` requests at once, their results and the round's wall time."""
     results: list[dict[str, Any]] = []
     start = time.perf_counter()
-    threads = [threading.Thread(target=lambda p=p: results.append(_stream_one(url, p, tokens)))
+    threads = [threading.Thread(target=lambda p=p: results.append(_stream_one(url, p, tokens, bias)))
                for p in PROMPTS[:conc]]
     for t in threads:
         t.start()
@@ -316,26 +341,26 @@ class _Server:
     folder of its own."""
 
     def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str],
-                 ready: Callable[[Any], bool], args: argparse.Namespace,
+                 ready: Callable[[Any], bool], args: argparse.Namespace, bias: dict[str, float],
                  about: Callable[[str], dict[str, Any]] | None = None) -> None:
         from moetray.engine.telemetry import nvml_used_bytes
 
-        self.tokens, self.about = args.tokens, about
+        self.tokens, self.bias, self.about = args.tokens, bias, about
         log = Path(tempfile.mkdtemp(prefix="moetray-peer-")) / f"{name.replace(' ', '-')}.log"
         self.before = nvml_used_bytes(0)
         self.child = Child(name, cmd, port, env, log)
         self.child.wait_ready(ready, args.timeout)
         try:
-            _stream_one(self.child.url, PROMPTS[0], args.tokens)
+            _stream_one(self.child.url, PROMPTS[0], args.tokens, bias)
         except BaseException:
             self.child.stop()
             raise
 
     def round(self, conc: int) -> dict[str, Any]:
-        return _round(self.child.url, conc, self.tokens)
+        return _round(self.child.url, conc, self.tokens, self.bias)
 
     def long(self, words: int) -> dict[str, Any]:
-        return _stream_one(self.child.url, long_prompt(words), LONG_TOKENS)
+        return _stream_one(self.child.url, long_prompt(words), LONG_TOKENS, self.bias)
 
     def footprint(self) -> dict[str, Any]:
         out = _footprint(self.child.proc.pid, self.before)
@@ -367,7 +392,7 @@ def _interleaved(llama, ours, args) -> tuple[dict[str, Any], dict[str, Any]]:
     return out[0], out[1]
 
 
-def _start_moetray(model: Path, args, capacity: str | None) -> _Server:
+def _start_moetray(model: Path, args, capacity: str | None, bias: dict[str, float]) -> _Server:
     import httpx
 
     from moetray.engine.serve import DEFAULT_PORT
@@ -393,10 +418,10 @@ def _start_moetray(model: Path, args, capacity: str | None) -> _Server:
                 "dtype": dtype if weights in (None, dtype) else f"{weights} weights on {dtype}",
                 "moe_slots": status["pools"]["moe_slots"]}
 
-    return _Server("moetray serve", cmd, port, env, engine_serving, args, about=served)
+    return _Server("moetray serve", cmd, port, env, engine_serving, args, bias, about=served)
 
 
-def _start_llama_server(model: Path, args, n_cpu_moe: int | None) -> _Server:
+def _start_llama_server(model: Path, args, n_cpu_moe: int | None, bias: dict[str, float]) -> _Server:
     """llama.cpp's own OpenAI server (``--llama-server``) on ``model``, driven like moetray: one slot per
     request of the largest concurrency (it batches them), the same context as moetray's KV pool."""
     from moetray.engine.bench.serve import free_port
@@ -409,7 +434,7 @@ def _start_llama_server(model: Path, args, n_cpu_moe: int | None) -> _Server:
     ]
     if n_cpu_moe is not None:
         cmd += ["--n-cpu-moe", str(n_cpu_moe)]
-    return _Server("llama-server", cmd, port, peer_env(), lambda r: r.status_code == 200, args)
+    return _Server("llama-server", cmd, port, peer_env(), lambda r: r.status_code == 200, args, bias)
 
 
 def rss_goal(moetray_rss: int, llama_rss: int, dtype: str | None) -> dict[str, Any]:
@@ -567,12 +592,13 @@ def main(argv: list[str]) -> int:
     rows, table, rss, long = [], [], {}, {}
     files = _files(args, workdir)
     for label, path in files:
+        bias = text_only_bias(path)
         for setting, n_cpu_moe, capacity in _settings(args):
             _progress(f"{label}, {setting}: starting llama.cpp and moetray")
-            llama_engine = (_start_llama_server(path, args, n_cpu_moe) if args.llama_server is not None
-                            else _LlamaChild(path, args))
+            llama_engine = (_start_llama_server(path, args, n_cpu_moe, bias) if args.llama_server is not None
+                            else _LlamaChild(path, args, bias))
             try:
-                ours_engine = _start_moetray(path, args, capacity)
+                ours_engine = _start_moetray(path, args, capacity, bias)
                 try:
                     _progress(f"{label}, {setting}: {args.rounds} rounds, taking turns")
                     llama, ours = _interleaved(llama_engine, ours_engine, args)
@@ -650,6 +676,8 @@ def main(argv: list[str]) -> int:
             f"up at once, taking turns round by round ({args.rounds} rounds of each concurrency; figures: "
             "medians over the rounds; ratios: the median of each round's moetray ÷ llama.cpp). "
             "Decode tok/s: per request, tokens after the first over the time after the first (median). "
+            f"Every request decodes exactly {args.tokens} tokens of text on both servers (logit_bias bans the "
+            "file's control tokens: the two arithmetics end a prompt at different lengths). "
             + ("llama-cpp-python's Llama decodes one sequence at a time: a round's requests are answered "
                "in turn on its main thread, each first token timed from the round's start."
                if args.llama_server is None else

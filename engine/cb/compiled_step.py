@@ -191,7 +191,7 @@ def keeps_step_guard(guard_type: str, *, name: str, from_module: bool) -> bool:
     moetray's own attributes checked; of the rest, :data:`UNCHANGING_GUARDS` go too; inputs, global
     state and shapes keep every other guard. Measured, demo in int8 at batch 1 (one process,
     rounds interleaved): keeping every module constant (1,372 guards) cost ~1 ms of a ~14 ms step
-    against checking none (dynamo's ``skip_guard_eval_unsafe``); this rule (~330) matched checking
+    against checking none (dynamo's ``skip_guard_eval_unsafe``); this rule (365) matched checking
     none. A graph never serves another decoder: each step's code object is its own (:func:`_own_code`)."""
     if from_module:
         return guard_type in MODULE_GUARDS_KEPT and MODULE_ATTRIBUTE_PREFIX in name

@@ -140,6 +140,27 @@ def test_rounds_summarise_as_medians_and_ratios_pair_each_round_with_its_turn():
     assert peer.paired_ratio([{"decode_tok_s": None}], [{"decode_tok_s": 1.0}], "decode_tok_s") is None
 
 
+def test_both_servers_are_asked_for_text_only_each_control_token_banned(tmp_path):
+    """The bias both clients send bans exactly the file's control tokens (end of text, end of turn),
+    so every request decodes the tokens asked on both servers. Prevents: one server stopping early,
+    or a text token banned."""
+    from transformers import AutoTokenizer
+
+    from moetray.engine.models.gguf import read_headers
+    from moetray.engine.models.gguf_export import export_gguf
+    from tests.tiny_moe import make_tiny_moe
+
+    source = make_tiny_moe(tmp_path / "src", "qwen3_moe", hidden=64, expert_inter=64, num_experts=4, top_k=2)
+    path = export_gguf(source, tmp_path / "tiny.gguf", "F32")[0]
+    bias = peer.text_only_bias(path)
+    _, metadata, _ = read_headers(path)
+    special = {token for token, added in AutoTokenizer.from_pretrained(source).added_tokens_decoder.items()
+               if added.special}
+    assert bias and set(bias.values()) == {peer.BAN}
+    assert str(metadata["tokenizer.ggml.eos_token_id"]) in bias
+    assert {int(token) for token in bias} <= special
+
+
 def test_the_llama_child_answers_one_command_per_line_and_names_its_death(tmp_path):
     """The persistent llama.cpp child is driven a line at a time; one that dies mid-run is named by how
     it died (here before it loaded: no llama_cpp model at that path), never waited on forever."""
@@ -148,7 +169,7 @@ def test_the_llama_child_answers_one_command_per_line_and_names_its_death(tmp_pa
     pytest.importorskip("llama_cpp")
     args = argparse.Namespace(threads=1, tokens=4, timeout=120)
     with pytest.raises(RuntimeError, match="llama.cpp child failed"):
-        peer._LlamaChild(tmp_path / "missing.gguf", args)
+        peer._LlamaChild(tmp_path / "missing.gguf", args, {})
 
 
 def test_the_speed_goals_are_stated_per_file_met_or_not():
