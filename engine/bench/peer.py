@@ -17,8 +17,9 @@ the same client as moetray, one slot per concurrent request (it batches them). O
 ``--offload CAPACITY:N`` adds rows with experts off the GPU: moetray's expert cache at that capacity
 against llama.cpp's ``--n-cpu-moe N`` (the first N layers' experts kept and computed on the CPU).
 Both clients send ``logit_bias`` banning the file's control tokens (:func:`text_only_bias`), so each
-request decodes ``--tokens`` tokens on both servers. ``--twin DIR`` serves a seeded random-weight model of DIR's config and tokenizer where the demo
-cannot be built (``bench/gpu/run.sh``: a lent GPU takes 64 MiB of files).
+request decodes ``--tokens`` tokens on both servers. ``--twin DIR`` serves a seeded random-weight
+model of DIR's config and tokenizer where the demo cannot be built (``bench/gpu/run.sh``: a lent
+GPU takes 64 MiB of files).
 
 The receipt states the RSS goal (issue 15: moetray's RSS ≤ :data:`RSS_GOAL_RATIO` × llama.cpp's
 for the same file) per file, both RSS read once both servers have served every request;
@@ -676,8 +677,8 @@ def main(argv: list[str]) -> int:
             f"up at once, taking turns round by round ({args.rounds} rounds of each concurrency; figures: "
             "medians over the rounds; ratios: the median of each round's moetray ÷ llama.cpp). "
             "Decode tok/s: per request, tokens after the first over the time after the first (median). "
-            f"Every request decodes exactly {args.tokens} tokens of text on both servers (logit_bias bans the "
-            "file's control tokens: the two arithmetics end a prompt at different lengths). "
+            f"Every request decodes exactly {args.tokens} tokens of text on both servers (logit_bias bans "
+            "the file's control tokens: the two arithmetics end a prompt at different lengths). "
             + ("llama-cpp-python's Llama decodes one sequence at a time: a round's requests are answered "
                "in turn on its main thread, each first token timed from the round's start."
                if args.llama_server is None else

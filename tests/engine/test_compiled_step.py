@@ -200,8 +200,9 @@ async def test_a_bfloat16_step_filters_its_guards_and_reads_a_resized_pool(tiny,
     """bfloat16, where the experts' kernel is traced into the step's graph and the pool's views are
     its inputs: the step's graphs dropped two thirds of their guards (the modules' structure and
     constants), and after a re-split of the expert pool to fewer slots the same graphs serve
-    (nothing compiled) and give the tokens they gave before it. Prevents: the guard filter unwired (every module guard checked
-    before each step), or the filtered graph reading the freed pool or a stale capacity."""
+    (nothing compiled) and give the tokens they gave before it. Prevents: the guard filter unwired
+    (every module guard checked before each step), or the filtered graph reading the freed pool or a
+    stale capacity."""
     _, tok = tiny
     off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=16,
                                 compile_decode=True)
