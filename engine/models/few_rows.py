@@ -5,11 +5,15 @@ int8 kernel (``_weight_int8pack_mm``) and inductor's generated loop both keep on
 accumulator per output, so each 576-weight row is a chain of dependent adds, and a second row
 costs as much as the first. No library kernel on this machine does better (torch's ``_int_mm``,
 oneDNN's quantized linear and inductor's C++ GEMM template were measured at 6-8 GB/s), so the
-kernel is this module's: ``few_rows.cpp``, two accumulators per row and output, the weight row
-loaded once per 32 inputs for every row, in float32, the scale applied and the result rounded to
-bfloat16 once, as torch's kernel does (its outputs agree with torch's to bfloat16 rounding).
+kernel is this module's: ``few_rows.cpp``, the weight row loaded once for every activation row,
+the scale applied and the result rounded to bfloat16 once, as torch's kernel does (its outputs
+agree with torch's to bfloat16 rounding). On a CPU with AVX512-VNNI it multiplies in integers:
+each activation row rounded to int16 with one scale (15 bits, finer than the bfloat16 it arrives
+in, an outlier input included), the weights widened to int16, 32 exact products an instruction
+(``vpdpwssd``) into int32 lanes, the row's sum converted once; elsewhere in float32, two
+accumulators per row and output.
 
-Measured on this project's AMD EPYC host (2 cores), 140 matrices of 512×576:
+Measured on this project's AMD EPYC host (2 cores), 140 matrices of 512×576, float32 loop:
 
 - called eagerly, 2 threads, µs per matrix, torch's kernel against this one: 1 row 25.8 / 15.1,
   2 rows 32.2 / 21.8, 4 rows 35.7 / 27.6, 8 rows 65.9 / 44.7 (one thread: 49.6 / 20.5,
@@ -19,6 +23,14 @@ Measured on this project's AMD EPYC host (2 cores), 140 matrices of 512×576:
 - served, the demo in int8 at four requests (one process each, paired runs):
   26.4 against 29.8 and 30.6 against 38.5 ms a step (medians of 3 rounds), the LM head's 4-row
   product 2.2-2.8 against 3.2-4.1 ms.
+
+The integer loop against the float32 one, both in one process, 12 interleaved passes over the
+demo's shapes (30 layers of its attention and shared-expert matrices and both routed-expert
+products, then its 49,152 × 576 head), 2 threads, medians: 4 rows, layers 12.0 against 14.2 ms
+and head 2.02 against 2.88; 1 row 3.75 against 3.99 and 1.09 against 1.30. Tried and not kept:
+int8 activations in blocks of 32 (llama.cpp's Q8_0 rounding) through ``vpdpbusd``, 1.0-1.3× the
+float32 loop and a coarser rounding; the CPU's 512-bit integer dot products run at about half the
+rate their count suggests, so the int16 loop's gain is the conversions it drops.
 
 The same loop computes a decode step's routed int8 experts (``moetray::int8_experts_mm``, called by
 the compiled experts kernel, ``engine/experts/fused.py``, from two tokens up): a step of a few

@@ -278,6 +278,30 @@ def test_an_int8_product_of_a_few_rows_reads_each_weight_row_once_for_all_of_the
             assert float((got - ref).abs().max()) <= 2 ** -6 * float(ref.abs().max()), (width, rows)
 
 
+def test_the_few_rows_kernel_rounds_activations_finer_than_bfloat16_at_any_width():
+    """Where the CPU has VNNI the kernel multiplies in integers, each activation row rounded to int16
+    with one scale: a row whose one input is 100× its others (an outlier channel) still gives the
+    float32 product of its bfloat16 values to bfloat16 rounding, for rows of up to 8,192 inputs and
+    past them (the float32 loop). Prevents: activations rounded coarser than they arrive, or an int32
+    sum that overflows on a wide row."""
+    from moetray.engine.models import few_rows
+
+    if few_rows.build() is not None:
+        pytest.skip(f"the few-rows kernel does not serve here: {few_rows.refusal()}")
+    gen = torch.Generator().manual_seed(3)
+    for width in (576, 8192, 8224):
+        qweight = torch.full((8, width), 127, dtype=torch.int8)  # the widest sum an int32 lane holds
+        qweight[1::2] = torch.randint(-127, 128, (4, width), generator=gen, dtype=torch.int8)
+        qscale = torch.full((8,), 1e-3, dtype=torch.bfloat16)
+        x = torch.rand(3, width, generator=gen)
+        x[:, 5] = 100.0
+        x[2] = -100.0  # every input at the row's largest: 32767 · 127 in each product
+        x = x.to(torch.bfloat16)
+        got = torch.ops.moetray.int8_rows_mm(x, qweight, qscale).float()
+        want = x.float() @ (qweight.float() * qscale.float()[:, None]).T
+        assert float(((got - want).abs() / want.abs().clamp_min(1.0)).max()) <= 2 ** -8, width
+
+
 def test_a_compiled_int8_linear_of_a_few_rows_calls_the_few_rows_kernel():
     """Traced in a compiled step (a decode step of four requests), an int8 linear's product is the
     few-rows kernel's call in the generated code, with its eager values. Prevents: the compiled
