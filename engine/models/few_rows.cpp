@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -183,16 +184,15 @@ at::Tensor int8_rows_mm(const at::Tensor& x, const at::Tensor& qweight, const at
   }
   const int8_t* wp = qweight.data_ptr<int8_t>();
   const at::BFloat16* sp = qscale.data_ptr<at::BFloat16>();
-  if (words_serve(K)) {
-    const WordRows words(xf.data_ptr<float>(), M, K);
-    const int64_t rows[kMaxRows] = {0, 1, 2, 3, 4, 5, 6, 7};
-    at::parallel_for(0, N, grain_of(K), [&](int64_t n0, int64_t n1) {
-      word_rows_of<at::BFloat16>(static_cast<int>(M), words, rows, K, wp, sp, outs, n0, n1);
-    });
-    return out;
-  }
+  std::optional<WordRows> words;
+  if (words_serve(K)) words.emplace(xf.data_ptr<float>(), M, K);
+  const int64_t rows[kMaxRows] = {0, 1, 2, 3, 4, 5, 6, 7};
   at::parallel_for(0, N, grain_of(K), [&](int64_t n0, int64_t n1) {
-    dot_rows_of<at::BFloat16>(static_cast<int>(M), xs, K, wp, sp, outs, n0, n1);
+    if (words) {
+      word_rows_of<at::BFloat16>(static_cast<int>(M), *words, rows, K, wp, sp, outs, n0, n1);
+    } else {
+      dot_rows_of<at::BFloat16>(static_cast<int>(M), xs, K, wp, sp, outs, n0, n1);
+    }
   });
   return out;
 }
@@ -236,38 +236,28 @@ at::Tensor int8_experts_mm(const at::Tensor& x, const at::Tensor& qweight, const
   const int8_t* wp = qweight.data_ptr<int8_t>();
   const at::BFloat16* scp = qscale.data_ptr<at::BFloat16>();
   const int64_t grain = grain_of(K);
-  if (words_serve(K)) {
-    const WordRows words(xp, xf.numel() / K, K);
-    at::parallel_for(0, G * blocks, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const auto [b, e] = groups[i / blocks];
-        const int64_t n0 = (i % blocks) * grain, n1 = std::min(N, n0 + grain);
-        int64_t rows[kMaxRows];
-        float* outs[kMaxRows];
-        for (int64_t j = b; j < e; ++j) {
-          rows[j - b] = order[j] / x_per_pair;
-          outs[j - b] = op + order[j] * N;
-        }
-        const int64_t slot = sp[order[b]];
-        word_rows_of<float>(static_cast<int>(e - b), words, rows, K, wp + slot * qweight.stride(0),
-                            scp + slot * qscale.stride(0), outs, n0, n1);
-      }
-    });
-    return out;
-  }
+  std::optional<WordRows> words;
+  if (words_serve(K)) words.emplace(xp, xf.numel() / K, K);
   at::parallel_for(0, G * blocks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const auto [b, e] = groups[i / blocks];
       const int64_t n0 = (i % blocks) * grain, n1 = std::min(N, n0 + grain);
+      int64_t rows[kMaxRows];
       const float* xs[kMaxRows];
       float* outs[kMaxRows];
       for (int64_t j = b; j < e; ++j) {
-        xs[j - b] = xp + (order[j] / x_per_pair) * K;
+        rows[j - b] = order[j] / x_per_pair;
+        xs[j - b] = xp + rows[j - b] * K;
         outs[j - b] = op + order[j] * N;
       }
       const int64_t slot = sp[order[b]];
-      dot_rows_of<float>(static_cast<int>(e - b), xs, K, wp + slot * qweight.stride(0),
-                         scp + slot * qscale.stride(0), outs, n0, n1);
+      const int8_t* w = wp + slot * qweight.stride(0);
+      const at::BFloat16* scale = scp + slot * qscale.stride(0);
+      if (words) {
+        word_rows_of<float>(static_cast<int>(e - b), *words, rows, K, w, scale, outs, n0, n1);
+      } else {
+        dot_rows_of<float>(static_cast<int>(e - b), xs, K, w, scale, outs, n0, n1);
+      }
     }
   });
   return out;
