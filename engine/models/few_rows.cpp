@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -94,12 +95,23 @@ struct WordRows {
   WordRows(const float* x, int64_t rows, int64_t K) : words(rows * K), scale(rows) {
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * K;
+      const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
       __m512 top = _mm512_setzero_ps();
+      __mmask16 odd = 0;  // a NaN or an infinity: the row's products are NaN, as in float32
       int64_t k = 0;
-      for (; k + 16 <= K; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
+      for (; k + 16 <= K; k += 16) {
+        const __m512 magnitude = _mm512_abs_ps(_mm512_loadu_ps(xr + k));
+        odd |= _mm512_cmp_ps_mask(magnitude, largest, _CMP_NLE_UQ);
+        top = _mm512_max_ps(top, magnitude);
+      }
       float amax = _mm512_reduce_max_ps(top);
-      for (int64_t t = k; t < K; ++t) amax = std::max(amax, std::abs(xr[t]));
-      scale[r] = amax / 32767.0f;
+      bool finite = odd == 0;
+      for (int64_t t = k; t < K; ++t) {
+        finite = finite && std::isfinite(xr[t]);
+        amax = std::max(amax, std::abs(xr[t]));
+      }
+      if (!finite) amax = 0.0f;
+      scale[r] = finite ? amax / 32767.0f : std::numeric_limits<float>::quiet_NaN();
       const float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
       const __m512 by = _mm512_set1_ps(inverse);
       int16_t* out = words.data() + r * K;

@@ -282,8 +282,9 @@ def test_the_few_rows_kernel_rounds_activations_finer_than_bfloat16_at_any_width
     """Where the CPU has VNNI the kernel multiplies in integers, each activation row rounded to int16
     with one scale: a row whose one input is 100× its others (an outlier channel) still gives the
     float32 product of its bfloat16 values to bfloat16 rounding, for rows of up to 8,192 inputs and
-    past them (the float32 loop). Prevents: activations rounded coarser than they arrive, or an int32
-    sum that overflows on a wide row."""
+    past them (the float32 loop); a NaN input makes its row's outputs NaN, as float32 would. Prevents:
+    activations rounded coarser than they arrive, an int32 sum that overflows on a wide row, or a
+    NaN hidden as a finite number."""
     from moetray.engine.models import few_rows
 
     if few_rows.build() is not None:
@@ -300,6 +301,9 @@ def test_the_few_rows_kernel_rounds_activations_finer_than_bfloat16_at_any_width
         got = torch.ops.moetray.int8_rows_mm(x, qweight, qscale).float()
         want = x.float() @ (qweight.float() * qscale.float()[:, None]).T
         assert float(((got - want).abs() / want.abs().clamp_min(1.0)).max()) <= 2 ** -8, width
+        x[1, 7] = float("nan")
+        got = torch.ops.moetray.int8_rows_mm(x, qweight, qscale).float()
+        assert got[1].isnan().all() and not got[[0, 2]].isnan().any(), width  # not rounded away
 
 
 def test_a_compiled_int8_linear_of_a_few_rows_calls_the_few_rows_kernel():
