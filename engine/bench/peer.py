@@ -74,8 +74,6 @@ def long_prompt(words: int) -> str:
 CONTROL_TOKEN = 3
 """``tokenizer.ggml.token_type`` of a control token (end of text, end of turn, …): gguf-py's
 ``TokenType.CONTROL``."""
-BAN = -100.0
-"""The OpenAI ``logit_bias`` value that bans a token."""
 
 
 def text_only_bias(model: Path) -> dict[str, float]:
@@ -85,11 +83,12 @@ def text_only_bias(model: Path) -> dict[str, float]:
     different lengths (19 against 31 tokens on the first prompt), so without it the two servers
     would do different work, and four requests ending one by one would leave moetray's batch
     partly empty: the same amount of work on both sides is what a speed ratio compares."""
+    from moetray.engine.cb.sampling import BIAS_BAN
     from moetray.engine.models.gguf import read_headers
 
     _, metadata, _ = read_headers(model)
     types = metadata.get("tokenizer.ggml.token_type") or []
-    return {str(token): BAN for token, kind in enumerate(types) if kind == CONTROL_TOKEN}
+    return {str(token): BIAS_BAN for token, kind in enumerate(types) if kind == CONTROL_TOKEN}
 
 
 LLAMA_CONTEXT = 2048
@@ -105,12 +104,12 @@ import json, sys, time
 import psutil
 from llama_cpp import Llama
 cfg = json.loads(sys.argv[1])
+bias = {int(token): value for token, value in cfg["logit_bias"].items()}  # JSON keys are strings
 llm = Llama(model_path=cfg["model"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
             n_ctx=cfg["n_ctx"], verbose=False, seed=0)
 def one(prompt, sent, tokens=cfg["tokens"]):
     msgs = [{"role": "user", "content": prompt}]
     first = None; n = 0
-    bias = {int(token): value for token, value in cfg["logit_bias"].items()}
     for chunk in llm.create_chat_completion(msgs, max_tokens=tokens, temperature=0.0, stream=True,
                                             logit_bias=bias):
         if chunk["choices"][0]["delta"].get("content"):

@@ -93,9 +93,9 @@ struct WordRows {
   std::vector<float> scale;
 
   WordRows(const float* x, int64_t rows, int64_t K) : words(rows * K), scale(rows) {
+    const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * K;
-      const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
       __m512 top = _mm512_setzero_ps();
       __mmask16 odd = 0;  // a NaN or an infinity: the row's products are NaN, as in float32
       int64_t k = 0;
@@ -110,9 +110,8 @@ struct WordRows {
         finite = finite && std::isfinite(xr[t]);
         amax = std::max(amax, std::abs(xr[t]));
       }
-      if (!finite) amax = 0.0f;
       scale[r] = finite ? amax / 32767.0f : std::numeric_limits<float>::quiet_NaN();
-      const float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+      const float inverse = finite && amax > 0.0f ? 32767.0f / amax : 0.0f;
       const __m512 by = _mm512_set1_ps(inverse);
       int16_t* out = words.data() + r * K;
       for (k = 0; k + 16 <= K; k += 16) {

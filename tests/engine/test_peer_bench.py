@@ -146,6 +146,7 @@ def test_both_servers_are_asked_for_text_only_each_control_token_banned(tmp_path
     or a text token banned."""
     from transformers import AutoTokenizer
 
+    from moetray.engine.cb.sampling import BIAS_BAN
     from moetray.engine.models.gguf import read_headers
     from moetray.engine.models.gguf_export import export_gguf
     from tests.tiny_moe import make_tiny_moe
@@ -156,7 +157,7 @@ def test_both_servers_are_asked_for_text_only_each_control_token_banned(tmp_path
     _, metadata, _ = read_headers(path)
     special = {token for token, added in AutoTokenizer.from_pretrained(source).added_tokens_decoder.items()
                if added.special}
-    assert bias and set(bias.values()) == {peer.BAN}
+    assert bias and set(bias.values()) == {BIAS_BAN}
     assert str(metadata["tokenizer.ggml.eos_token_id"]) in bias
     assert {int(token) for token in bias} <= special
 
