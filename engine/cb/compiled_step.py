@@ -46,7 +46,7 @@ from moetray.engine.cb.one_row import (
     OneRowHead,
     OneRowMatmuls,
     compilation_failure,
-    install_one_query_attention,
+    install_few_query_attention,
     install_one_row_products,
 )
 from moetray.engine.cb.state import StateGeometry
@@ -346,7 +346,7 @@ def install_decode_step(model: torch.nn.Module, *, max_tokens: int) -> CompiledD
     decoder = model.model
     assert isinstance(decoder, torch.nn.Module), "a causal LM keeps its decoder as .model"
     head = install_one_row_products(model)
-    install_one_query_attention()
+    install_few_query_attention()
     return CompiledDecodeStep(decoder, max_tokens=max_tokens, head=head)
 
 

@@ -1,4 +1,4 @@
-"""One-row products and one-query attention (engine/cb/one_row.py): the formulas equal torch's
+"""One-row products and few-query attention (engine/cb/one_row.py): the formulas equal torch's
 kernels, and a half-precision compiled decode step takes them (its decoder's linears, its LM head,
 its attention) on a real tiny MoE through the real batcher."""
 
@@ -67,7 +67,7 @@ def test_compiled_int8_products_load_their_rows_at_float32_width():
 
 
 @pytest.mark.parametrize("mask", ["none", "additive", "bool"])
-def test_one_query_attention_is_sdpas_result(mask):
+def test_few_query_attention_is_sdpas_result(mask):
     """Grouped KV heads (9 query heads on 3), with and without a padding mask in either form: equal to
     torch's SDPA in float32, values as wide as the keys or narrower. Prevents: a head read from the wrong
     KV group, a mask ignored, or the values' width taken from the keys."""
@@ -78,15 +78,58 @@ def test_one_query_attention_is_sdpas_result(mask):
     attn_mask = {"none": None, "bool": keep,
                  "additive": torch.zeros(2, 1, 1, 11).masked_fill(~keep, -math.inf)}[mask]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=0.3, enable_gqa=True)
-    got = one_row.one_query_attention(q, k, v, attn_mask, 0.3)
+    got = one_row.few_query_attention(q, k, v, attn_mask, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     narrow = v[..., :12]  # values narrower than keys (latent attention)
     want = F.scaled_dot_product_attention(q, k, narrow, attn_mask=attn_mask, scale=0.3, enable_gqa=True)
-    torch.testing.assert_close(one_row.one_query_attention(q, k, narrow, attn_mask, 0.3), want, rtol=1e-5,
+    torch.testing.assert_close(one_row.few_query_attention(q, k, narrow, attn_mask, 0.3), want, rtol=1e-5,
                                atol=1e-5)
 
 
-def test_compiled_one_query_attention_calls_two_batched_products():
+@pytest.mark.parametrize("mask", ["additive", "bool"])
+def test_few_query_attention_of_a_batch_of_sequences_is_sdpas_result(mask):
+    """Three queries of three sequences over their keys laid end to end (as a continuous batch's decode
+    step reads them), each masked to its own sequence's keys, and a chunk's causal mask: equal to
+    torch's SDPA. A query that attends to nothing gets finite values. Prevents: queries of one KV
+    group mixed up with another's, a mask applied to the wrong query, or NaN from an empty row."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 9, 3, 16), torch.randn(1, 3, 12, 16), torch.randn(1, 3, 12, 16)
+    own = torch.zeros(1, 1, 3, 12, dtype=torch.bool)
+    own[..., 0, :5], own[..., 1, 5:9], own[..., 2, 9:] = True, True, True
+    causal = torch.ones(3, 12, dtype=torch.bool).tril(diagonal=9)[None, None]
+    for keep in (own, causal):
+        attn_mask = keep if mask == "bool" else torch.zeros(keep.shape).masked_fill(~keep, -math.inf)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=0.3, enable_gqa=True)
+        got = one_row.few_query_attention(q, k, v, attn_mask, 0.3)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    nothing = torch.zeros(1, 1, 3, 12, dtype=torch.bool)
+    assert one_row.few_query_attention(q, k, v, nothing, 0.3).isfinite().all()
+
+
+def test_several_queries_without_a_mask_keep_the_causal_kernel(monkeypatch):
+    """Traced, several query tokens with no mask mean causal attention: transformers' function serves
+    them (the few-query formula would let each query see later keys); one token or a mask takes the
+    formula. Prevents: a chunk without a mask computed without causality."""
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    q, k = torch.randn(1, 6, 3, 8), torch.randn(1, 2, 3, 8)
+    taken = _counting(monkeypatch, "few_query_attention")
+
+    def attend(q, k, mask):
+        out, _ = one_row.few_query_sdpa(module, q, k, k, mask, scaling=0.5)
+        return out
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False)
+    want, _ = sdpa_attention_forward(module, q, k, k, None, scaling=0.5)
+    torch.testing.assert_close(compiled(q, k, None), want, rtol=1e-5, atol=1e-5)
+    assert taken == []
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    torch.testing.assert_close(compiled(q, k, causal), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled(q[:, :, :1], k[:, :, :1], None), want[:, :1], rtol=1e-5, atol=1e-5)
+    assert [args[0].shape[2] for args in taken] == [3, 1]
+
+
+def test_compiled_few_query_attention_calls_two_batched_products():
     """Compiled with a rotary query and keys and values gathered from a paged cache (as in the decode
     step), the scores and the weighted values are library ``bmm`` calls, and the result is the eager
     one. Prevents: the multiply-and-sum form coming back, where inductor recomputed the query's
@@ -98,7 +141,7 @@ def test_compiled_one_query_attention_calls_two_batched_products():
     def step(q, cache_k, cache_v, rows, angles):
         q = q * angles.cos() + q.flip(-1) * angles.sin()
         k, v = (c.index_select(0, rows).transpose(0, 1)[None] for c in (cache_k, cache_v))
-        return one_row.one_query_attention(q, k, v, None, None)
+        return one_row.few_query_attention(q, k, v, None, None)
 
     q = torch.randn(1, 9, 1, 16)
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
@@ -109,12 +152,12 @@ def test_compiled_one_query_attention_calls_two_batched_products():
 
 def test_eager_attention_is_transformers_own_sdpa():
     """Untraced (prefill, a refused graph), the registered ``"sdpa"`` is transformers' function."""
-    one_row.install_one_query_attention()
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is one_row.one_query_sdpa
+    one_row.install_few_query_attention()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is one_row.few_query_sdpa
     module = nn.Module()
     module.num_key_value_groups, module.is_causal = 3, True
     q, k = torch.randn(1, 6, 1, 8), torch.randn(1, 2, 5, 8)
-    got, _ = one_row.one_query_sdpa(module, q, k, k, None, scaling=0.5)
+    got, _ = one_row.few_query_sdpa(module, q, k, k, None, scaling=0.5)
     want, _ = sdpa_attention_forward(module, q, k, k, None, scaling=0.5)
     assert torch.equal(got, want)
 
@@ -191,17 +234,20 @@ def test_one_row_half_matmuls_become_a_multiply_and_sum(dtype):
 
 @pytest.mark.usefixtures("uncached_compilation")
 async def test_a_half_precision_decode_step_takes_the_one_row_paths(tiny, tiny_moe, monkeypatch):
-    """bfloat16 tiny MoE with the compiled step: the start-up compilation traces one-query
-    attention as multiply-and-sums and turns each layer's router product into one (the step's
-    post-grad pass), the decoder's linears are routed, and every decode step's LM head takes the
-    compiled one-row product. Prevents: the attention, the routers' pass, the linears' routing or
-    the head's router never wired (each is a counter or a check that stays put)."""
-    traced = _counting(monkeypatch, "one_query_attention")
+    """bfloat16 tiny MoE with the compiled step: the start-up compilation traces few-query
+    attention in both graphs (one token, a symbolic count) and turns each layer's router product
+    into a multiply-and-sum (the step's post-grad pass), the decoder's linears are routed, and every
+    decode step's LM head takes the compiled one-row product. Prevents: the attention, the routers'
+    pass, the linears' routing or the head's router never wired (each is a counter or a check that stays put)."""
+    traced = _counting(monkeypatch, "few_query_attention")
     off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8)
     off.runtime.warm_up()  # the experts' kernel serves, as where the engine installs the step
     routers = one_row.OneRowMatmuls.replaced
     step = await _decode_through_the_step(off, tiny[1], traced)
-    assert one_row.OneRowMatmuls.replaced - routers >= off.model.config.num_hidden_layers
+    layers = off.model.config.num_hidden_layers
+    one_token = [args for args in traced if isinstance(args[0].shape[2], int) and args[0].shape[2] == 1]
+    assert len(one_token) >= layers and len(traced) - len(one_token) >= layers  # both graphs: 1 and N tokens
+    assert one_row.OneRowMatmuls.replaced - routers >= layers
     linears = [m for m in off.model.model.modules() if type(m) is nn.Linear]
     assert linears and all(m.forward.__func__ is one_row._traced_linear for m in linears)
     assert not step.head.int8
