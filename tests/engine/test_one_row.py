@@ -238,7 +238,8 @@ async def test_a_half_precision_decode_step_takes_the_one_row_paths(tiny, tiny_m
     attention in both graphs (one token, a symbolic count) and turns each layer's router product
     into a multiply-and-sum (the step's post-grad pass), the decoder's linears are routed, and every
     decode step's LM head takes the compiled one-row product. Prevents: the attention, the routers'
-    pass, the linears' routing or the head's router never wired (each is a counter or a check that stays put)."""
+    pass, the linears' routing or the head's router never wired (each is a counter or a check that
+    stays put)."""
     traced = _counting(monkeypatch, "few_query_attention")
     off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8)
     off.runtime.warm_up()  # the experts' kernel serves, as where the engine installs the step
