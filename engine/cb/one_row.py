@@ -9,7 +9,9 @@ per row (4 rows: half the speed of the matrix product), so only one-row products
 
 Rules:
 - Traced inside the compiled decode step, a decoder's plain ``nn.Linear`` with a bfloat16 or
-  float16 weight and one input row is the multiply-and-sum; other shapes keep ``F.linear``.
+  float16 weight and one input row is the multiply-and-sum; up to eight rows the few-rows kernel
+  (``engine/models/few_rows.py``: oneDNN streams a few rows at about half its speed); more keep
+  ``F.linear``.
 - So is a decoder's int8 linear (the int8 format's ``Int8Linear``) with one input row, over its
   activations widened to float32 first (:func:`one_row_int8_product`): measured on this machine's
   CPU, one thread, a step's 30 layers of int8 attention and shared-expert linears took 3.3 ms that
@@ -26,7 +28,8 @@ Rules:
   start. At one thread a large head's rows are computed in blocks shared with a helper thread over
   the budget (:meth:`OneRowHead.__call__`; the region's C++ entry releases the GIL, so blocks run
   side by side). Other thread counts keep the library's product rather than compile again
-  mid-request; a failure logs why and keeps it too.
+  mid-request; a failure logs why and keeps it too. Several rows take the library's product, for
+  a 16-bit head up to eight rows the few-rows kernel's (``few_rows.half_product``).
 - Eager calls (prefill, a refused graph) and float32 weights (the token-identity reference) are
   untouched. The rounding is the lossy formats' own: float32 accumulation, one final rounding.
 
@@ -79,6 +82,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from moetray.engine.compiling import CPP_WRAPPER, compile_region
 from moetray.engine.experts.fused import float_buffer
 from moetray.engine.helpers import share_out
+from moetray.engine.models import few_rows
 from moetray.engine.models.precision import Int8Linear, int8_product
 
 log = logging.getLogger(__name__)
@@ -119,8 +123,10 @@ def _one_row(x: torch.Tensor) -> bool:
 
 
 def _traced_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling() and _one_row(x):
-        return one_row_product(x, self.weight, self.bias)
+    if torch.compiler.is_compiling():
+        if _one_row(x):
+            return one_row_product(x, self.weight, self.bias)
+        return few_rows.half_product(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
 
 
@@ -210,7 +216,8 @@ class OneRowHead:
         ~3.7 of ~35 at batch 4, streaming 56 MB of bfloat16 on one core); one-row products take
         the compiled multiply-and-sum, at one thread or at the whole budget (a decode team's step,
         a prefill's last-token logits: the demo's bfloat16 head 0.85 ms at two threads against the
-        library's 2.5), other shapes and other thread counts the library's product."""
+        library's 2.5), other shapes and other thread counts the library's product (a 16-bit
+        head's few rows: the few-rows kernel's)."""
         threads = torch.get_num_threads()
         compiled = threads in (1, self.thread_budget) and not torch.is_grad_enabled()
         weight = self.head.qweight if isinstance(self.head, Int8Linear) else self.head.weight
@@ -265,7 +272,7 @@ class OneRowHead:
             args: tuple[Any, ...] = (x, head.qweight[lo:hi], head.qscale[lo:hi], bias)
             library: Callable[..., torch.Tensor] = int8_product
         else:
-            args, library = (x, head.weight[lo:hi], bias), F.linear
+            args, library = (x, head.weight[lo:hi], bias), few_rows.half_product
         if compiled and self.reason is None and _one_row(x):
             try:
                 out = self.graph(*args)
@@ -280,10 +287,12 @@ class OneRowHead:
 
 def install_one_row_products(model: nn.Module) -> OneRowHead | None:
     """Route ``model``'s one-row products as the rules say: the decoder's half-precision and int8
-    linears when traced, the LM head eagerly. Returns the head's router (None: the head is neither
-    a half-precision ``nn.Linear`` nor an ``Int8Linear``)."""
+    linears when traced, the LM head eagerly (building the few-rows kernels their few-row products
+    take). Returns the head's router (None: the head is neither a half-precision ``nn.Linear`` nor
+    an ``Int8Linear``)."""
     decoder = model.model
     assert isinstance(decoder, nn.Module), "a causal LM keeps its decoder as .model"
+    few_rows.build()
     for module in decoder.modules():
         if type(module) is nn.Linear and module.weight.dtype in HALF_DTYPES:
             module.forward = types.MethodType(_traced_linear, module)  # type: ignore[method-assign]

@@ -14,8 +14,9 @@ Lossy against ``grouped_mm`` (another summation order), so it serves only format
 lossy anyway: 16-bit slots and int8 rows (whose scales fuse into the reduction). float32 keeps
 the exact grouped path, the token-identity reference. Each pair's reduction reads its own expert's
 weights, so a batch of several tokens would read an expert once per token routed to it: int8 rows
-of two tokens or more go to ``moetray::int8_experts_mm`` instead (:data:`GROUPED_MIN_TOKENS`),
-which computes the pairs of one slot together; past :data:`FUSED_MAX_TOKENS` the grouped path (one
+and 16-bit ``[out, in]`` rows of two tokens or more go to ``moetray::int8_experts_mm`` and
+``moetray::half_experts_mm`` instead (:data:`GROUPED_MIN_TOKENS`), which compute the pairs of one
+slot together; past :data:`FUSED_MAX_TOKENS` the grouped path (one
 GEMM per expert over all its rows) takes over.
 
 Compiled per dtype, geometry and gate at warm-up (:meth:`FusedExperts.warm_up`: batch 1, then
@@ -128,11 +129,15 @@ def float_buffer(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.float(), pad], dim=-1)[..., :-1]
 
 
-def _grouped_project(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor,
+def _grouped_project(x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """:func:`_project` of int8 rows by ``moetray::int8_experts_mm``: the pairs routed to one slot
-    are computed together, so each routed expert's weights are read once for all its tokens."""
-    out = torch.ops.moetray.int8_experts_mm(x, w, scale, slots)
+    """:func:`_project` of int8 rows by ``moetray::int8_experts_mm``, of 16-bit ``[out, in]`` rows by
+    ``moetray::half_experts_mm``: the pairs routed to one slot are computed together, so each routed
+    expert's weights are read once for all its tokens."""
+    if scale is not None:
+        out = torch.ops.moetray.int8_experts_mm(x, w, scale, slots)
+    else:
+        out = torch.ops.moetray.half_experts_mm(x, w, slots)
     return out if bias is None else out + bias[slots]
 
 
@@ -141,9 +146,10 @@ def _experts(module: ExpertsModule, states: torch.Tensor, slots: torch.Tensor, w
              down: torch.Tensor, down_scale: torch.Tensor | None, down_bias: torch.Tensor | None,
              has_gate: bool, transposed: bool) -> torch.Tensor:
     """``[T, H], [T, k] slots, [T, k] weights → [T, H]``: the MoE layer's routed experts. Int8 rows
-    of more than one token go to the grouped kernel (:data:`GROUPED_MIN_TOKENS`) where it is loaded."""
-    if (first_scale is not None and down_scale is not None and states.shape[0] >= GROUPED_MIN_TOKENS
-            and few_rows.loaded()):
+    and untransposed 16-bit rows of :data:`GROUPED_MIN_TOKENS` tokens or more go to the grouped
+    kernels where they are loaded."""
+    int8 = first_scale is not None and down_scale is not None
+    if (int8 or not transposed) and states.shape[0] >= GROUPED_MIN_TOKENS and few_rows.loaded():
         h = _grouped_project(states, first, slots, first_scale, first_bias).to(states.dtype)
         h = module._apply_gate(h) if has_gate else module.act_fn(h)
         out = _grouped_project(h, down, slots, down_scale, down_bias)
@@ -156,16 +162,19 @@ def _experts(module: ExpertsModule, states: torch.Tensor, slots: torch.Tensor, w
 
 
 GROUPED_MIN_TOKENS = 2
-"""Tokens from which a layer call's int8 experts take ``moetray::int8_experts_mm``
-(:mod:`~moetray.engine.models.few_rows`): with one token each routed expert has one pair, and the
-compiled reduction fuses with the gate and the sum over top-k around it; from two, pairs share
-experts (the demo's 12 of 16 at four tokens: 48 pairs, about 16 experts), and the kernel reads each
-expert once for all of them where the reduction reads it once per pair. Measured on this project's
-AMD EPYC host, the demo's geometry (30 layers of 12-of-16 int8 experts, 64 neurons) in one compiled
-graph with the C++ wrapper and a symbolic batch, 2 threads, ms a pass: 2 tokens 5.3 against the
-reduction's 8.5, 4 tokens 6.6 against 11.5, 8 tokens 11.8 against 23.5 (one thread: 10.3 against
-20.4 at 4). Served at four requests (int8, processes interleaved, two rounds each): the step's
-graph 25.1-29.8 against 28.6-31.8 ms, the machine's speed drifting more than that between runs."""
+"""Tokens from which a layer call's int8 and untransposed 16-bit experts take the grouped kernels
+(``moetray::int8_experts_mm``, ``moetray::half_experts_mm``: :mod:`~moetray.engine.models.few_rows`):
+with one token each routed expert has one pair, and the compiled reduction fuses with the gate and
+the sum over top-k around it; from two, pairs share experts (the demo's 12 of 16 at four tokens: 48
+pairs, about 16 experts), and the kernel reads each expert once for all of them where the reduction
+reads it once per pair. Measured on this project's AMD EPYC host, the demo's geometry (30 layers of
+12-of-16 int8 experts, 64 neurons) in one compiled graph with the C++ wrapper and a symbolic batch,
+2 threads, ms a pass: 2 tokens 5.3 against the reduction's 8.5, 4 tokens 6.6 against 11.5, 8 tokens
+11.8 against 23.5 (one thread: 10.3 against 20.4 at 4). Served at four requests (int8, processes
+interleaved, two rounds each): the step's graph 25.1-29.8 against 28.6-31.8 ms, the machine's speed
+drifting more than that between runs. bfloat16, the same geometry, one compiled call a layer, one
+thread, ms a pass: 4 tokens 8.4 against the reduction's 17.7, 8 tokens 11.0 against 31.6 (2 threads,
+4 tokens: 6.3 against 10.5; float16, without the bfloat16 pair products: 12.2 against 17.8)."""
 
 KERNEL_GRAPHS = 64
 """Graphs dynamo may compile for the kernel in one process (its default stops at 8): one per dtype,
@@ -186,8 +195,7 @@ class FusedExperts:
         self.geometry = geometry
         self.int8_layout = int8_layout
         self.transposed = geometry.is_transposed and int8_layout is None  # int8 rows are [out, in]
-        if int8_layout is not None:
-            few_rows.build()  # the grouped kernel of a step's int8 experts (GROUPED_MIN_TOKENS)
+        few_rows.build()  # the grouped kernels of a step's experts (GROUPED_MIN_TOKENS)
         self.views = self._views(rows)
         self.calls = 0  # layer calls the kernel computed (what tests and benches count)
 

@@ -6,7 +6,10 @@
 // - int8_experts_mm: a decode step's routed experts, each token-expert pair's rows times its slot's
 //   int8 weight [N, K] of a pool [C, N, K] (scales [C, N]); the pairs that share a slot are computed
 //   together, so a step reads each routed expert once, not once per token routed to it.
-// On a CPU with AVX512-VNNI both compute in integers: each activation row is rounded to int16 with one
+// - half_rows_mm, half_experts_mm: the same for bfloat16 or float16 weights ([N, K], a pool [C, N, K];
+//   no scales), the activations in the weights' dtype. With AVX512-BF16, bfloat16 pairs multiply by vdpbf16ps (32
+//   products an instruction into float32 lanes); otherwise the weights are widened to float32.
+// On a CPU with AVX512-VNNI both int8 products compute in integers: each activation row is rounded to int16 with one
 // scale (max|x| / 32767: 15 bits, far finer than the bfloat16 it comes in), the weights widened to
 // int16, and vpdpwssd sums 32 products an instruction into int32 lanes, exactly; a row's sum is
 // converted once. Without VNNI, float32: widen, convert and multiply-add per 16 weights.
@@ -20,6 +23,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -61,21 +65,6 @@ void dot_rows(const float* const* xs, int64_t K, const int8_t* w, const at::BFlo
       for (int64_t t = k; t < K; ++t) sum += xs[m][t] * static_cast<float>(row[t]);
       outs[m][n] = static_cast<Out>(sum * s);
     }
-  }
-}
-
-template <typename Out>
-void dot_rows_of(int rows, const float* const* xs, int64_t K, const int8_t* w, const at::BFloat16* scale,
-                 Out* const* outs, int64_t n0, int64_t n1) {
-  switch (rows) {
-    case 1: dot_rows<1>(xs, K, w, scale, outs, n0, n1); break;
-    case 2: dot_rows<2>(xs, K, w, scale, outs, n0, n1); break;
-    case 3: dot_rows<3>(xs, K, w, scale, outs, n0, n1); break;
-    case 4: dot_rows<4>(xs, K, w, scale, outs, n0, n1); break;
-    case 5: dot_rows<5>(xs, K, w, scale, outs, n0, n1); break;
-    case 6: dot_rows<6>(xs, K, w, scale, outs, n0, n1); break;
-    case 7: dot_rows<7>(xs, K, w, scale, outs, n0, n1); break;
-    default: dot_rows<8>(xs, K, w, scale, outs, n0, n1); break;
   }
 }
 
@@ -158,18 +147,18 @@ void word_rows(const WordRows& x, const int64_t* rows, int64_t K, const int8_t* 
   }
 }
 
-template <typename Out>
-void word_rows_of(int count, const WordRows& x, const int64_t* rows, int64_t K, const int8_t* w,
-                  const at::BFloat16* scale, Out* const* outs, int64_t n0, int64_t n1) {
+// fn(std::integral_constant<int, count>{}): a kernel templated on its row count, called for count rows.
+template <typename Fn>
+void rows_of(int count, const Fn& fn) {
   switch (count) {
-    case 1: word_rows<1>(x, rows, K, w, scale, outs, n0, n1); break;
-    case 2: word_rows<2>(x, rows, K, w, scale, outs, n0, n1); break;
-    case 3: word_rows<3>(x, rows, K, w, scale, outs, n0, n1); break;
-    case 4: word_rows<4>(x, rows, K, w, scale, outs, n0, n1); break;
-    case 5: word_rows<5>(x, rows, K, w, scale, outs, n0, n1); break;
-    case 6: word_rows<6>(x, rows, K, w, scale, outs, n0, n1); break;
-    case 7: word_rows<7>(x, rows, K, w, scale, outs, n0, n1); break;
-    default: word_rows<8>(x, rows, K, w, scale, outs, n0, n1); break;
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
   }
 }
 
@@ -199,77 +188,260 @@ at::Tensor int8_rows_mm(const at::Tensor& x, const at::Tensor& qweight, const at
   if (words_serve(K)) words.emplace(xf.data_ptr<float>(), M, K);
   const int64_t rows[kMaxRows] = {0, 1, 2, 3, 4, 5, 6, 7};
   at::parallel_for(0, N, grain_of(K), [&](int64_t n0, int64_t n1) {
-    if (words) {
-      word_rows_of<at::BFloat16>(static_cast<int>(M), *words, rows, K, wp, sp, outs, n0, n1);
-    } else {
-      dot_rows_of<at::BFloat16>(static_cast<int>(M), xs, K, wp, sp, outs, n0, n1);
-    }
+    rows_of(static_cast<int>(M), [&](auto R) {
+      if (words) {
+        word_rows<R>(*words, rows, K, wp, sp, outs, n0, n1);
+      } else {
+        dot_rows<R>(xs, K, wp, sp, outs, n0, n1);
+      }
+    });
   });
   return out;
 }
 
+// A step's token-expert pairs (slots [T, k]) grouped by slot, at most kMaxRows pairs a group (a token
+// routes to a slot at most once, so a decode step of up to eight tokens makes one group per routed
+// slot), and the loop that hands out (group, block of output rows) tasks to the intra-op threads.
+struct SlotGroups {
+  std::vector<int64_t> order;                        // pair indices, by slot
+  std::vector<std::pair<int64_t, int64_t>> groups;   // [begin, end) in order
+
+  SlotGroups(const int64_t* slots, int64_t pairs, int64_t capacity) : order(pairs) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      TORCH_CHECK(slots[p] >= 0 && slots[p] < capacity, "a slot outside the pool");
+      order[p] = p;
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return slots[a] < slots[b]; });
+    for (int64_t p = 0; p < pairs;) {
+      int64_t q = p;
+      while (q < pairs && slots[order[q]] == slots[order[p]] && q - p < kMaxRows) ++q;
+      groups.emplace_back(p, q);
+      p = q;
+    }
+  }
+
+  // task(first pair, end pair, n0, n1) for every group and block of ``grain`` output rows of N.
+  template <typename Task>
+  void parallel(int64_t N, int64_t grain, const Task& task) const {
+    const int64_t blocks = (N + grain - 1) / grain, G = static_cast<int64_t>(groups.size());
+    at::parallel_for(0, G * blocks, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const auto [b, e] = groups[i / blocks];
+        const int64_t n0 = (i % blocks) * grain;
+        task(b, e, n0, std::min(N, n0 + grain));
+      }
+    });
+  }
+};
+
+// The checks both experts products make of x ([T, K] or [T, k, K]) and slots ([T, k]).
+void check_pairs(const at::Tensor& x, const at::Tensor& slots, int64_t K) {
+  TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong, "slots: [T, k] int64");
+  TORCH_CHECK(x.dim() == 2 || (x.dim() == 3 && x.size(1) == slots.size(1)), "x: [T, K] or [T, k, K]");
+  TORCH_CHECK(x.size(0) == slots.size(0), "x and slots disagree on T");
+  TORCH_CHECK(x.size(-1) == K, "x and the weights disagree on K");
+}
+
 at::Tensor int8_experts_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& qscale,
                            const at::Tensor& slots) {
-  TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong, "slots: [T, k] int64");
-  const int64_t T = slots.size(0), top = slots.size(1);
-  TORCH_CHECK(x.dim() == 2 || (x.dim() == 3 && x.size(1) == top), "x: [T, K] or [T, k, K]");
-  TORCH_CHECK(x.size(0) == T, "x and slots disagree on T");
   TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kChar && qweight.stride(2) == 1 &&
                   qweight.stride(1) == qweight.size(2),
               "qweight: [C, N, K] int8, each slot's [N, K] contiguous");
   TORCH_CHECK(qscale.dim() == 2 && qscale.scalar_type() == at::kBFloat16 && qscale.stride(1) == 1,
               "qscale: [C, N] bfloat16, each slot's [N] contiguous");
   const int64_t C = qweight.size(0), N = qweight.size(1), K = qweight.size(2);
-  TORCH_CHECK(x.size(-1) == K && qscale.size(0) == C && qscale.size(1) == N, "shapes disagree");
+  check_pairs(x, slots, K);
+  TORCH_CHECK(qscale.size(0) == C && qscale.size(1) == N, "shapes disagree");
+  const int64_t T = slots.size(0), top = slots.size(1);
   at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor sl = slots.contiguous();
   at::Tensor out = at::empty({T, top, N}, x.options().dtype(at::kFloat));
-  const int64_t P = T * top, x_per_pair = x.dim() == 3 ? 1 : top;
+  const int64_t x_per_pair = x.dim() == 3 ? 1 : top;
   const int64_t* sp = sl.data_ptr<int64_t>();
-  // The pairs of each slot, in groups of at most kMaxRows (a token routes to a slot at most once, so a
-  // decode step of up to eight tokens makes one group per routed slot).
-  std::vector<int64_t> order(P);
-  for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(sp[p] >= 0 && sp[p] < C, "a slot outside the pool");
-    order[p] = p;
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sp[a] < sp[b]; });
-  std::vector<std::pair<int64_t, int64_t>> groups;  // [begin, end) in order
-  for (int64_t p = 0; p < P;) {
-    int64_t q = p;
-    while (q < P && sp[order[q]] == sp[order[p]] && q - p < kMaxRows) ++q;
-    groups.emplace_back(p, q);
-    p = q;
-  }
-  const int64_t blocks = (N + grain_of(K) - 1) / grain_of(K), G = static_cast<int64_t>(groups.size());
+  const SlotGroups pairs(sp, T * top, C);
   const float* xp = xf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int8_t* wp = qweight.data_ptr<int8_t>();
   const at::BFloat16* scp = qscale.data_ptr<at::BFloat16>();
-  const int64_t grain = grain_of(K);
   std::optional<WordRows> words;
   if (words_serve(K)) words.emplace(xp, xf.numel() / K, K);
-  at::parallel_for(0, G * blocks, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const auto [b, e] = groups[i / blocks];
-      const int64_t n0 = (i % blocks) * grain, n1 = std::min(N, n0 + grain);
-      int64_t rows[kMaxRows];
-      const float* xs[kMaxRows];
-      float* outs[kMaxRows];
-      for (int64_t j = b; j < e; ++j) {
-        rows[j - b] = order[j] / x_per_pair;
-        xs[j - b] = xp + rows[j - b] * K;
-        outs[j - b] = op + order[j] * N;
-      }
-      const int64_t slot = sp[order[b]];
-      const int8_t* w = wp + slot * qweight.stride(0);
-      const at::BFloat16* scale = scp + slot * qscale.stride(0);
+  pairs.parallel(N, grain_of(K), [&](int64_t b, int64_t e, int64_t n0, int64_t n1) {
+    int64_t rows[kMaxRows];
+    const float* xs[kMaxRows];
+    float* outs[kMaxRows];
+    for (int64_t j = b; j < e; ++j) {
+      rows[j - b] = pairs.order[j] / x_per_pair;
+      xs[j - b] = xp + rows[j - b] * K;
+      outs[j - b] = op + pairs.order[j] * N;
+    }
+    const int64_t slot = sp[pairs.order[b]];
+    const int8_t* w = wp + slot * qweight.stride(0);
+    const at::BFloat16* scale = scp + slot * qscale.stride(0);
+    rows_of(static_cast<int>(e - b), [&](auto R) {
       if (words) {
-        word_rows_of<float>(static_cast<int>(e - b), *words, rows, K, w, scale, outs, n0, n1);
+        word_rows<R>(*words, rows, K, w, scale, outs, n0, n1);
       } else {
-        dot_rows_of<float>(static_cast<int>(e - b), xs, K, w, scale, outs, n0, n1);
+        dot_rows<R>(xs, K, w, scale, outs, n0, n1);
+      }
+    });
+  });
+  return out;
+}
+
+inline __m512 widen(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline __m512 widen(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// M float32 activation rows times the 16-bit rows [n0, n1) of w (row n at w + n·K), in float32.
+template <int M, typename W>
+void half_rows(const float* const* xs, int64_t K, const W* w, float* const* outs, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* row = w + n * K;
+    __m512 acc0[M], acc1[M];
+    for (int m = 0; m < M; ++m) {
+      acc0[m] = _mm512_setzero_ps();
+      acc1[m] = _mm512_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512 w0 = widen(row + k), w1 = widen(row + k + 16);
+      for (int m = 0; m < M; ++m) {
+        acc0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[m] + k), w0, acc0[m]);
+        acc1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[m] + k + 16), w1, acc1[m]);
       }
     }
+    for (int m = 0; m < M; ++m) {
+      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
+      for (int64_t t = k; t < K; ++t) sum += xs[m][t] * static_cast<float>(row[t]);
+      outs[m][n] = sum;
+    }
+  }
+}
+
+bool pairs_serve(int64_t K) {
+  static const bool bf16 = __builtin_cpu_supports("avx512bf16");
+  return bf16 && K % 32 == 0;
+}
+
+// M bfloat16 activation rows times the bfloat16 rows [n0, n1) of w: vdpbf16ps multiplies 32 pairs of
+// bfloat16 exactly and adds them into 16 float32 lanes (K a multiple of 32: pairs_serve).
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void pair_rows(const at::BFloat16* const* xs, int64_t K, const at::BFloat16* w, float* const* outs,
+               int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const at::BFloat16* row = w + n * K;
+    __m512 acc0[M], acc1[M];
+    for (int m = 0; m < M; ++m) {
+      acc0[m] = _mm512_setzero_ps();
+      acc1[m] = _mm512_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k), w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
+      for (int m = 0; m < M; ++m) {
+        acc0[m] = _mm512_dpbf16_ps(acc0[m], (__m512bh)_mm512_loadu_si512(xs[m] + k), w0);
+        acc1[m] = _mm512_dpbf16_ps(acc1[m], (__m512bh)_mm512_loadu_si512(xs[m] + k + 32), w1);
+      }
+    }
+    if (k < K) {  // the last 32
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k);
+      for (int m = 0; m < M; ++m) acc0[m] = _mm512_dpbf16_ps(acc0[m], (__m512bh)_mm512_loadu_si512(xs[m] + k), w0);
+    }
+    for (int m = 0; m < M; ++m) outs[m][n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
+  }
+}
+
+// Activation rows [rows, K] for the 16-bit products: bfloat16 as they are where the pair products
+// serve (pairs_serve), else widened to float32 once; products() runs the kernel that takes them.
+struct HalfRows {
+  at::ScalarType dtype;
+  bool pairs;
+  at::Tensor values;
+
+  HalfRows(const at::Tensor& x, int64_t K)
+      : dtype(x.scalar_type()),
+        pairs(dtype == at::kBFloat16 && pairs_serve(K)),
+        values(pairs ? x.contiguous() : x.to(at::kFloat).contiguous()) {}
+
+  const void* row(int64_t r, int64_t K) const {
+    return static_cast<const char*>(values.data_ptr()) + r * K * values.element_size();
+  }
+
+  // The float32 sums of the activation rows xs[0..count) times the weight rows [n0, n1) of w into outs.
+  void products(int count, const void* const* xs, int64_t K, const void* w, float* const* outs, int64_t n0,
+                int64_t n1) const {
+    rows_of(count, [&](auto R) {
+      if (pairs) {
+        pair_rows<R>(reinterpret_cast<const at::BFloat16* const*>(xs), K, static_cast<const at::BFloat16*>(w),
+                     outs, n0, n1);
+      } else if (dtype == at::kBFloat16) {
+        half_rows<R>(reinterpret_cast<const float* const*>(xs), K, static_cast<const at::BFloat16*>(w), outs, n0,
+                     n1);
+      } else {
+        half_rows<R>(reinterpret_cast<const float* const*>(xs), K, static_cast<const at::Half*>(w), outs, n0, n1);
+      }
+    });
+  }
+};
+
+void check_half(const at::Tensor& x, const at::Tensor& weight) {
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "weight: bfloat16 or float16");
+  TORCH_CHECK(weight.stride(-1) == 1 && weight.stride(-2) == weight.size(-1),
+              "weight: each [N, K] matrix contiguous");
+  TORCH_CHECK(x.scalar_type() == dtype, "x in the weights' dtype");
+}
+
+at::Tensor half_rows_mm(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x: [M, K], weight: [N, K]");
+  check_half(x, weight);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "x and the weight disagree on K");
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "1 to 8 rows");
+  const HalfRows rows(x, K);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const void* xs[kMaxRows];
+  float* outs[kMaxRows];
+  for (int64_t m = 0; m < M; ++m) {
+    xs[m] = rows.row(m, K);
+    outs[m] = out.data_ptr<float>() + m * N;
+  }
+  const void* w = weight.data_ptr();
+  at::parallel_for(0, N, grain_of(2 * K), [&](int64_t n0, int64_t n1) {
+    rows.products(static_cast<int>(M), xs, K, w, outs, n0, n1);
+  });
+  return out;
+}
+
+at::Tensor half_experts_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& slots) {
+  TORCH_CHECK(weight.dim() == 3, "weight: [C, N, K]");
+  check_half(x, weight);
+  const int64_t C = weight.size(0), N = weight.size(1), K = weight.size(2);
+  check_pairs(x, slots, K);
+  const int64_t T = slots.size(0), top = slots.size(1);
+  const HalfRows rows(x, K);
+  at::Tensor sl = slots.contiguous();
+  at::Tensor out = at::empty({T, top, N}, x.options().dtype(at::kFloat));
+  const int64_t x_per_pair = x.dim() == 3 ? 1 : top;
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const SlotGroups pairs(sp, T * top, C);
+  float* op = out.data_ptr<float>();
+  const auto* base = static_cast<const char*>(weight.data_ptr());
+  const int64_t slot_bytes = weight.stride(0) * weight.element_size();
+  pairs.parallel(N, grain_of(2 * K), [&](int64_t b, int64_t e, int64_t n0, int64_t n1) {
+    const void* xs[kMaxRows];
+    float* outs[kMaxRows];
+    for (int64_t j = b; j < e; ++j) {
+      xs[j - b] = rows.row(pairs.order[j] / x_per_pair, K);
+      outs[j - b] = op + pairs.order[j] * N;
+    }
+    rows.products(static_cast<int>(e - b), xs, K, base + sp[pairs.order[b]] * slot_bytes, outs, n0, n1);
   });
   return out;
 }
@@ -279,9 +451,13 @@ at::Tensor int8_experts_mm(const at::Tensor& x, const at::Tensor& qweight, const
 TORCH_LIBRARY_FRAGMENT(moetray, m) {
   m.def("int8_rows_mm(Tensor x, Tensor qweight, Tensor qscale) -> Tensor");
   m.def("int8_experts_mm(Tensor x, Tensor qweight, Tensor qscale, Tensor slots) -> Tensor");
+  m.def("half_rows_mm(Tensor x, Tensor weight) -> Tensor");
+  m.def("half_experts_mm(Tensor x, Tensor weight, Tensor slots) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moetray, CPU, m) {
   m.impl("int8_rows_mm", &int8_rows_mm);
   m.impl("int8_experts_mm", &int8_experts_mm);
+  m.impl("half_rows_mm", &half_rows_mm);
+  m.impl("half_experts_mm", &half_experts_mm);
 }

@@ -1,4 +1,4 @@
-"""The int8 products of a decode step's few rows: each weight row read once for all of them.
+"""The int8 and 16-bit products of a decode step's few rows: each weight row read once for all of them.
 
 A step of a few requests multiplies every int8 matrix by a few activation rows. torch's weight-only
 int8 kernel (``_weight_int8pack_mm``) and inductor's generated loop both keep one float32
@@ -37,13 +37,24 @@ the compiled experts kernel, ``engine/experts/fused.py``, from two tokens up): a
 tokens routes them to overlapping experts, and the token-expert pairs of one slot are computed
 together, up to eight at a time, each output row's weights loaded once for all of them.
 
+bfloat16 and float16 weights get the same two products (``moetray::half_rows_mm``, the decoder's
+16-bit linears and LM head at 2-8 rows through :func:`half_product`; ``moetray::half_experts_mm``,
+the 16-bit experts): on a CPU with AVX512-BF16, bfloat16 activations and weights multiply in pairs
+(``vdpbf16ps``: 32 exact products an instruction, summed into float32 lanes) where a row's width
+is whole 32-value blocks; otherwise the weights are widened to float32. oneDNN's bfloat16 product
+streams a few rows slowly: the demo's 120 attention matrices and its 49,152 × 576 head, eagerly,
+2 threads, ms, oneDNN against this kernel: 2 rows 6.46 / 2.66 and 3.42 / 1.94, 4 rows 6.77 / 3.38
+and 3.73 / 2.64, 8 rows 7.65 / 3.47 and 4.18 / 3.66 (one thread, 4 rows: 9.95 / 6.51, 7.31 / 5.15).
+
 Rules:
-- Built once per machine when an int8 model's linears are quantized (:func:`build`, called by
-  ``quantize_linears``), by the C++ compiler inductor uses, with
-  AVX512 (F, BW, VL), FMA and OpenMP (``at::parallel_for`` shares a product's output rows over the
-  step's intra-op threads; the process's OpenMP runtime is torch's, loaded first), into
+- Built once per machine (:func:`build`, called where an int8 model's linears are quantized, a
+  compiled decode step is installed and the compiled experts kernel is made) by the C++ compiler
+  inductor uses, with AVX512 (F, BW, VL), FMA and OpenMP (``at::parallel_for`` shares a product's
+  output rows over the step's intra-op threads; the process's OpenMP runtime is torch's, loaded
+  first), into
   ``$XDG_CACHE_HOME/moetray/kernels`` under a name that hashes the source, torch's version and the
-  flags; loaded as ``moetray::int8_rows_mm`` and ``moetray::int8_experts_mm``.
+  flags; loaded as ``moetray::int8_rows_mm``, ``moetray::int8_experts_mm``,
+  ``moetray::half_rows_mm`` and ``moetray::half_experts_mm``.
 - Serves 1 to :data:`MAX_ROWS` rows (:func:`serves`) on a CPU whose torch capability is AVX512;
   elsewhere, or where the build fails, the reason is kept (:func:`refusal`) and torch's kernel serves.
 """
@@ -121,6 +132,8 @@ def build() -> str | None:
                 torch.ops.load_library(str(target))
                 torch.library.register_fake("moetray::int8_rows_mm")(_rows_shape)
                 torch.library.register_fake("moetray::int8_experts_mm")(_experts_shape)
+                torch.library.register_fake("moetray::half_rows_mm")(_half_rows_shape)
+                torch.library.register_fake("moetray::half_experts_mm")(_half_experts_shape)
             except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: torch's kernel serves
                 why = f"{type(exc).__name__}: {str(exc)[:300]}"
         if why is not None:
@@ -138,6 +151,14 @@ def _experts_shape(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor,
     return x.new_empty((slots.shape[0], slots.shape[1], qweight.shape[1]), dtype=torch.float32)
 
 
+def _half_rows_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def _half_experts_shape(x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((slots.shape[0], slots.shape[1], weight.shape[1]), dtype=torch.float32)
+
+
 def refusal() -> str | None:
     """Why the kernel does not serve (None: it does, or :func:`build` has not run)."""
     return _REFUSAL[0] if _REFUSAL else None
@@ -146,6 +167,21 @@ def refusal() -> str | None:
 def loaded() -> bool:
     """Whether the kernels are built and loaded (``moetray::int8_experts_mm`` serves any batch)."""
     return _REFUSAL == [None]
+
+
+def half_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of a 16-bit weight: up to :data:`MAX_ROWS` rows of a contiguous
+    weight in the activations' dtype by ``moetray::half_rows_mm`` (float32 sums, the bias added
+    before the one rounding) where it serves, else ``F.linear``."""
+    flat = x.reshape(-1, x.shape[-1])
+    if serves(flat.shape[0]) and weight.dtype == x.dtype and weight.is_contiguous():
+        if not torch.compiler.is_compiling():
+            RowsProducts.count += 1
+        out = torch.ops.moetray.half_rows_mm(flat.contiguous(), weight)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def serves(rows: int) -> bool:

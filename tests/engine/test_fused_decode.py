@@ -180,17 +180,19 @@ def test_the_int8_kernel_loads_its_rows_at_float32_width(tiny_moe):
     assert _rel(got, want) < 1e-2
 
 
-def test_int8_experts_of_several_tokens_are_read_once_per_step_by_the_grouped_kernel(tiny_moe):
-    """int8 rows, two or more tokens: the compiled kernel calls ``moetray::int8_experts_mm``, which
-    computes every pair routed to one slot together (the expert's rows read once for all its tokens),
-    with the per-pair reduction's values; one token keeps the reduction (it fuses with its
-    neighbours). Prevents: the grouped kernel unwired from the decode steps of several requests."""
+@pytest.mark.parametrize(("expert_format", "op"), [("int8", "int8_experts_mm"), (None, "half_experts_mm")])
+def test_experts_of_several_tokens_are_read_once_per_step_by_the_grouped_kernel(tiny_moe, expert_format, op):
+    """int8 rows and bfloat16 rows, two or more tokens: the compiled kernel calls the grouped kernel
+    (``moetray::int8_experts_mm``, ``moetray::half_experts_mm``), which computes every pair routed to
+    one slot together (the expert's rows read once for all its tokens), with the per-pair reduction's
+    values; one token keeps the reduction (it fuses with its neighbours). Prevents: the grouped
+    kernel unwired from the decode steps of several requests."""
     from torch._inductor.utils import run_and_get_code
 
     from moetray.engine.experts import fused
     from moetray.engine.models import few_rows
 
-    rt = _runtime(tiny_moe("qwen3_moe", "per_expert"), capacity=8, expert_format="int8").runtime
+    rt = _runtime(tiny_moe("qwen3_moe", "per_expert"), capacity=8, expert_format=expert_format).runtime
     if not few_rows.loaded():
         pytest.skip(f"the few-rows kernels do not serve here: {few_rows.refusal()}")
     for tokens, grouped in ((1, False), (4, True)):
@@ -200,12 +202,12 @@ def test_int8_experts_of_several_tokens_are_read_once_per_step_by_the_grouped_ke
         with torch.no_grad():
             got, code = run_and_get_code(rt.fused.traced, module, states, slots, weights, kernel=kernel)
             v = rt.fused.views
-            x = fused.float_buffer(states)
+            x = states if v.first_scale is None else fused.float_buffer(states)
             h = fused._project(x, v.first, slots, v.first_scale, v.first_bias, False).to(states.dtype)
             h = module._apply_gate(h)
             out = fused._project(h, v.down, slots, v.down_scale, v.down_bias, False)
             want = (out * weights.unsqueeze(-1).float()).sum(1).to(states.dtype)
-        assert ("int8_experts_mm" in "\n".join(code)) is grouped, tokens
+        assert (op in "\n".join(code)) is grouped, tokens
         assert _rel(got, want) < 1e-2, (tokens, _rel(got, want))
 
 
@@ -233,3 +235,33 @@ def test_the_grouped_kernel_computes_each_pair_from_its_slot_in_groups_of_up_to_
     want = (xs.unsqueeze(-2) * qweight[slots].float()).sum(-1) * qscale[slots].float()
     assert got.dtype == torch.float32 and got.shape == (tokens, top, out_f)
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("per_pair", [False, True])
+@pytest.mark.parametrize(("dtype", "width"),
+                         [(torch.bfloat16, 96), (torch.bfloat16, 72), (torch.float16, 72)])
+def test_the_half_grouped_kernel_computes_each_pair_from_its_slot(per_pair, dtype, width):
+    """``moetray::half_experts_mm`` against the float32 formula on the same 16-bit values, for shared
+    rows (``[T, K]``) and rows per pair (``[T, k, K]``), on a strided pool, ten tokens on one slot
+    (groups of eight, then two): bfloat16 at a width of whole 32-value blocks (the bfloat16 pair
+    products where the CPU has them) and with a tail (widened to float32), float16 widened. Prevents:
+    a pair computed from another's row or slot, a block or the tail skipped, float16 read as
+    bfloat16."""
+    from moetray.engine.models import few_rows
+
+    if few_rows.build() is not None:
+        pytest.skip(f"the few-rows kernels do not serve here: {few_rows.refusal()}")
+    gen = torch.Generator().manual_seed(6)
+    capacity, out_f, tokens, top = 6, 40, 10, 3
+    rows = torch.randn(capacity, out_f * width + 64, generator=gen).to(dtype)
+    weight = rows[:, :out_f * width].view(capacity, out_f, width)
+    slots = torch.stack([torch.randperm(capacity, generator=gen)[:top] for _ in range(tokens)])
+    slots[:, 0] = 2  # every token on slot 2
+    x = torch.randn((tokens, top, width) if per_pair else (tokens, width), generator=gen).to(dtype)
+    got = torch.ops.moetray.half_experts_mm(x, weight, slots)
+    xs = x.float() if per_pair else x.float()[:, None, :].expand(tokens, top, width)
+    want = (xs.unsqueeze(-2) * weight[slots].float()).sum(-1)
+    assert got.dtype == torch.float32 and got.shape == (tokens, top, out_f)
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.moetray.half_experts_mm(x.float(), weight, slots)

@@ -3,6 +3,7 @@ and the decode bench's step breakdown counts what a served step does."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `moetray serve` sets it (before torch loads)
@@ -323,6 +324,58 @@ def test_a_compiled_int8_linear_of_a_few_rows_calls_the_few_rows_kernel():
         got, code = run_and_get_code(torch.compile(q, fullgraph=True, dynamic=False), x)
         assert "int8_rows_mm" in "\n".join(code) and "_weight_int8pack_mm" not in "\n".join(code)
         assert torch.equal(got, q(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_product_of_a_few_rows_reads_each_weight_row_once_for_all_of_them(dtype):
+    """1 to 8 rows of a 16-bit linear take ``moetray::half_rows_mm`` where it builds: the float32
+    product of the same 16-bit values, the bias added before one rounding, for input widths of whole
+    32-value blocks and with a tail; nine rows, or a weight that is not contiguous, take ``F.linear``.
+    Prevents: the kernel unwired from ``half_product`` (the counter stays), a tail or a row skipped,
+    float16 read as bfloat16."""
+    from moetray.engine.models import few_rows
+
+    if few_rows.build() is not None:
+        pytest.skip(f"the few-rows kernel does not serve here: {few_rows.refusal()}")
+    torch.manual_seed(2)
+    for width in (40, 96, 576):
+        linear = nn.Linear(width, 72, bias=True).to(dtype)
+        for rows in range(1, few_rows.MAX_ROWS + 2):
+            x = torch.randn(1, rows, width, dtype=dtype)
+            want = (x.float() @ linear.weight.float().T + linear.bias.float()).to(dtype)
+            before = few_rows.RowsProducts.count
+            got = few_rows.half_product(x, linear.weight, linear.bias)
+            assert few_rows.RowsProducts.count == before + (rows <= few_rows.MAX_ROWS)
+            assert got.shape == want.shape and got.dtype == dtype
+            err = float((got.float() - want.float()).abs().max())
+            assert err <= 2 ** -7 * float(want.abs().max()), (width, rows)
+    before = few_rows.RowsProducts.count
+    strided = torch.randn(96, 8, dtype=dtype).t()  # not contiguous: the library's product
+    x = torch.randn(2, 96, dtype=dtype)
+    torch.testing.assert_close(few_rows.half_product(x, strided, None), x @ strided.t())
+    assert few_rows.RowsProducts.count == before
+
+
+def test_a_compiled_half_linear_of_a_few_rows_calls_the_few_rows_kernel():
+    """Traced in a compiled step (a decode step of four requests), a bfloat16 linear routed by the
+    compiled step's rules is the few-rows kernel's call in the generated code, with its eager values.
+    Prevents: the compiled step keeping the library's product for its small batches."""
+    from torch._inductor.utils import run_and_get_code
+
+    from moetray.engine.cb import one_row
+    from moetray.engine.models import few_rows
+
+    if few_rows.build() is not None:
+        pytest.skip(f"the few-rows kernel does not serve here: {few_rows.refusal()}")
+    torch.manual_seed(3)
+    linear = nn.Linear(96, 64, bias=True).to(torch.bfloat16)
+    x = torch.randn(1, 4, 96, dtype=torch.bfloat16)
+    routed = functools.partial(one_row._traced_linear, linear)
+    with torch.no_grad():
+        got, code = run_and_get_code(torch.compile(routed, fullgraph=True, dynamic=False), x)
+        assert "half_rows_mm" in "\n".join(code)
+        want = few_rows.half_product(x, linear.weight, linear.bias)
+        torch.testing.assert_close(got, want, rtol=0, atol=2 ** -6)
 
 
 def test_float16_values_fit_bfloat16_exactly_when_their_low_mantissa_bits_are_zero():
