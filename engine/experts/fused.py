@@ -149,7 +149,8 @@ def _experts(module: ExpertsModule, states: torch.Tensor, slots: torch.Tensor, w
     and untransposed 16-bit rows of :data:`GROUPED_MIN_TOKENS` tokens or more go to the grouped
     kernels where they are loaded."""
     int8 = first_scale is not None and down_scale is not None
-    if (int8 or not transposed) and states.shape[0] >= GROUPED_MIN_TOKENS and few_rows.loaded():
+    half = not transposed and first.dtype == down.dtype == states.dtype
+    if (int8 or half) and states.shape[0] >= GROUPED_MIN_TOKENS and few_rows.loaded():
         h = _grouped_project(states, first, slots, first_scale, first_bias).to(states.dtype)
         h = module._apply_gate(h) if has_gate else module.act_fn(h)
         out = _grouped_project(h, down, slots, down_scale, down_bias)

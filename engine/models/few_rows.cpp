@@ -6,13 +6,14 @@
 // - int8_experts_mm: a decode step's routed experts, each token-expert pair's rows times its slot's
 //   int8 weight [N, K] of a pool [C, N, K] (scales [C, N]); the pairs that share a slot are computed
 //   together, so a step reads each routed expert once, not once per token routed to it.
-// - half_rows_mm, half_experts_mm: the same for bfloat16 or float16 weights ([N, K], a pool [C, N, K];
-//   no scales), the activations in the weights' dtype. With AVX512-BF16, bfloat16 pairs multiply by vdpbf16ps (32
-//   products an instruction into float32 lanes); otherwise the weights are widened to float32.
-// On a CPU with AVX512-VNNI both int8 products compute in integers: each activation row is rounded to int16 with one
-// scale (max|x| / 32767: 15 bits, far finer than the bfloat16 it comes in), the weights widened to
-// int16, and vpdpwssd sums 32 products an instruction into int32 lanes, exactly; a row's sum is
-// converted once. Without VNNI, float32: widen, convert and multiply-add per 16 weights.
+// - half_rows_mm, half_experts_mm: the same for bfloat16 or float16 weights ([N, K], a pool
+//   [C, N, K]; no scales), the activations in the weights' dtype, float32 sums out. With AVX512-BF16,
+//   bfloat16 pairs multiply by vdpbf16ps (32 products an instruction into float32 lanes); otherwise
+//   the weights are widened to float32.
+// On a CPU with AVX512-VNNI both int8 products compute in integers: each activation row is rounded to
+// int16 with one scale (max|x| / 32767: 15 bits, far finer than the bfloat16 it comes in), the weights
+// widened to int16, and vpdpwssd sums 32 products an instruction into int32 lanes, exactly; a row's
+// sum is converted once. Without VNNI, float32: widen, convert and multiply-add per 16 weights.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
