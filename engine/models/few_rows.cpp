@@ -31,17 +31,28 @@ namespace {
 
 constexpr int64_t kMaxRows = 8;
 
-inline __m512 widen16(const int8_t* p) {
+// 16 weights widened to float32.
+inline __m512 widen(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Output rows [n0, n1) of M activation rows xs[m] (float32, K each) times the int8 rows of w (row n at
-// w + n·K), scaled by scale[n]; row m's outputs go to outs[m][n].
-template <int M, typename Out>
-void dot_rows(const float* const* xs, int64_t K, const int8_t* w, const at::BFloat16* scale,
+inline __m512 widen(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline __m512 widen(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Output rows [n0, n1) of M activation rows xs[m] (float32, K each) times the int8, bfloat16 or float16
+// rows of w (row n at w + n·K), each widened to float32, scaled by scale[n] where scales are given; row
+// m's outputs go to outs[m][n].
+template <int M, typename W, typename Out>
+void dot_rows(const float* const* xs, int64_t K, const W* w, const at::BFloat16* scale,
               Out* const* outs, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* row = w + n * K;
+    const W* row = w + n * K;
     __m512 acc0[M], acc1[M];
     for (int m = 0; m < M; ++m) {
       acc0[m] = _mm512_setzero_ps();
@@ -49,18 +60,18 @@ void dot_rows(const float* const* xs, int64_t K, const int8_t* w, const at::BFlo
     }
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-      __m512 w0 = widen16(row + k), w1 = widen16(row + k + 16);
+      __m512 w0 = widen(row + k), w1 = widen(row + k + 16);
       for (int m = 0; m < M; ++m) {
         acc0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[m] + k), w0, acc0[m]);
         acc1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[m] + k + 16), w1, acc1[m]);
       }
     }
     if (k + 16 <= K) {
-      __m512 w0 = widen16(row + k);
+      __m512 w0 = widen(row + k);
       for (int m = 0; m < M; ++m) acc0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[m] + k), w0, acc0[m]);
       k += 16;
     }
-    const float s = static_cast<float>(scale[n]);
+    const float s = scale ? static_cast<float>(scale[n]) : 1.0f;
     for (int m = 0; m < M; ++m) {
       float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
       for (int64_t t = k; t < K; ++t) sum += xs[m][t] * static_cast<float>(row[t]);
@@ -289,41 +300,6 @@ at::Tensor int8_experts_mm(const at::Tensor& x, const at::Tensor& qweight, const
   return out;
 }
 
-inline __m512 widen(const at::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-inline __m512 widen(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// M float32 activation rows times the 16-bit rows [n0, n1) of w (row n at w + n·K), in float32.
-template <int M, typename W>
-void half_rows(const float* const* xs, int64_t K, const W* w, float* const* outs, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const W* row = w + n * K;
-    __m512 acc0[M], acc1[M];
-    for (int m = 0; m < M; ++m) {
-      acc0[m] = _mm512_setzero_ps();
-      acc1[m] = _mm512_setzero_ps();
-    }
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      const __m512 w0 = widen(row + k), w1 = widen(row + k + 16);
-      for (int m = 0; m < M; ++m) {
-        acc0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[m] + k), w0, acc0[m]);
-        acc1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[m] + k + 16), w1, acc1[m]);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
-      for (int64_t t = k; t < K; ++t) sum += xs[m][t] * static_cast<float>(row[t]);
-      outs[m][n] = sum;
-    }
-  }
-}
-
 bool pairs_serve(int64_t K) {
   static const bool bf16 = __builtin_cpu_supports("avx512bf16");
   return bf16 && K % 32 == 0;
@@ -382,10 +358,11 @@ struct HalfRows {
         pair_rows<R>(reinterpret_cast<const at::BFloat16* const*>(xs), K, static_cast<const at::BFloat16*>(w),
                      outs, n0, n1);
       } else if (dtype == at::kBFloat16) {
-        half_rows<R>(reinterpret_cast<const float* const*>(xs), K, static_cast<const at::BFloat16*>(w), outs, n0,
-                     n1);
+        dot_rows<R>(reinterpret_cast<const float* const*>(xs), K, static_cast<const at::BFloat16*>(w), nullptr,
+                    outs, n0, n1);
       } else {
-        half_rows<R>(reinterpret_cast<const float* const*>(xs), K, static_cast<const at::Half*>(w), outs, n0, n1);
+        dot_rows<R>(reinterpret_cast<const float* const*>(xs), K, static_cast<const at::Half*>(w), nullptr, outs,
+                    n0, n1);
       }
     });
   }
