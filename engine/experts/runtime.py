@@ -61,7 +61,7 @@ from moetray.engine.experts.opaque import register as register_op_key
 from moetray.engine.experts.resident import ResidentSlots
 from moetray.engine.experts.slots import LinkThrottle, SlotPool, TorchSlotDevice
 from moetray.engine.experts.store import ExpertStore, unpack_row
-from moetray.policy.moe.expert_cache import DEFAULT_POLICY, CacheIntegrityError, ExpertCache
+from moetray.policy.moe.expert_cache import DEFAULT_POLICY, CacheIntegrityError, CacheRefused, ExpertCache
 from moetray.policy.moe.expert_slots import ExpertSlots, SlotDeviceError
 from moetray.policy.refused import Refused
 
@@ -367,13 +367,20 @@ class ExpertRuntime:
                 self.resident.settle(self._plan_hit)
 
     def _plan_hit(self, layer: int, routed: list[int], tokens: int) -> None:
-        """Plan and record a call the slot table served (every routed expert had a slot) as every
-        other call is: through :meth:`_fill`, which has nothing to copy unless the table lied."""
-        plan = self._plan(layer, routed)
-        self._fill(layer, plan, tokens)  # the pool holds what the planner says, even then
-        if plan.misses:
-            raise CacheIntegrityError(f"layer {layer}: the slot table served {plan.misses} experts "
-                                      "the planner does not hold")
+        """Record a call the slot table served (every routed expert had a slot) as planning it
+        would have: the planner counts it as the pure hit it is (``ExpertCache.record_hits``: no
+        plan to build, none to validate or apply). A routed expert the planner does not hold means
+        the table lied."""
+        if self.trace is not None:
+            self.trace.append((layer, tuple(routed)))
+        try:
+            hits = self.cache.record_hits(layer, routed)
+        except CacheRefused as exc:
+            if exc.kind != "not_resident":
+                raise
+            raise CacheIntegrityError(f"the slot table served experts the planner does not hold: "
+                                      f"{exc}") from exc
+        self._record(layer, hits, 0, 0, tokens)
         assert self.fused is not None, "the slot table serves only where the kernel does"
         self.fused.calls += 1
 
@@ -399,7 +406,7 @@ class ExpertRuntime:
             raise
         for slot, expert in plan.copies:
             self.resident.admit(layer, expert, slot)
-        self._record(layer, plan, self.pool.bytes_copied - moved, tokens)
+        self._record(layer, plan.hits, plan.misses, self.pool.bytes_copied - moved, tokens)
 
     def _forget_plan(self, plan, exc: SlotDeviceError) -> None:
         # The written slots are unknown, the failing one too, and the plan's later copies never
@@ -504,8 +511,8 @@ class ExpertRuntime:
             self.trace.append((layer, tuple(routed)))
         return self.cache.ensure(layer, routed, fetch_limit=fetch_limit)
 
-    def _record(self, layer: int, plan, nbytes: int, tokens: int) -> None:
-        self._window[layer].append((plan.hits, plan.misses, nbytes))
+    def _record(self, layer: int, hits: int, misses: int, nbytes: int, tokens: int) -> None:
+        self._window[layer].append((hits, misses, nbytes))
         self.total_bytes += nbytes
         self.calls += 1
         if layer == 0:
@@ -579,8 +586,6 @@ class ExpertRuntime:
         "moved"}``. Refuses ``below_floor`` (from the planner) before any change; the same
         capacity is a no-op that does not call ``mark_teardown``.
         """
-        from moetray.policy.moe.expert_cache import CacheRefused
-
         with self._lock:
             old = self.cache.capacity
             if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:

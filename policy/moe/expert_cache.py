@@ -65,7 +65,8 @@ class CacheRefused(Refused, ValueError):
 
     ``kind`` is one of ``invalid_geometry``, ``below_floor``, ``unknown_policy``,
     ``layer_out_of_range``, ``expert_out_of_range``, ``slot_out_of_range``,
-    ``invalid_fetch_limit``; the offending values are attributes named in ``fields``.
+    ``invalid_fetch_limit``, ``not_resident``; the offending values are attributes named in
+    ``fields``.
     """
 
 
@@ -295,25 +296,13 @@ class ExpertCache:
         Refuses with `CacheRefused` (``layer_out_of_range``, ``expert_out_of_range``,
         ``invalid_fetch_limit``) before any state changes.
         """
-        n_experts = self.num_experts
-        if type(layer) is not int or not 0 <= layer < self.num_layers:
-            self._check_layer(layer)
-            layer = operator.index(layer)
-        routed = tuple(expert_ids)
-        for e in routed:
-            if type(e) is not int or not 0 <= e < n_experts:  # the rare case: check and convert
-                self._check_experts(layer, routed)
-                routed = tuple(operator.index(e) for e in routed)
-                break
-        base = layer * n_experts
+        layer, routed = self._checked_call(layer, expert_ids)
+        base = layer * self.num_experts
         slot_of = self._slot_of
         flats = [base + e for e in dict.fromkeys(routed)]  # distinct, in routing order
         missed = [flat for flat in flats if flat not in slot_of]
         budget = len(missed) if fetch_limit is None else self._fetch_budget(fetch_limit, len(missed))
-        history = self._history
-        history.calls += 1
-        passes = history.passes[layer] = history.passes[layer] + 1
-        history.latest_layer = layer
+        self._begin_call(layer)
         ranker = self._ranker
 
         touch = self._touch
@@ -341,14 +330,7 @@ class ExpertCache:
                 ranker.admit(flat)
                 copies.append((slot, flat - base))
 
-        # Recency and counts after the decisions: this call is "now".
-        calls, last_call, last_pass = history.calls, history.last_call, history.last_pass
-        count = history.count
-        for flat in flats:
-            last_call[flat] = calls
-            last_pass[flat] = passes
-            count[flat] += 1
-        ranker.end(flats)
+        self._end_call(layer, flats)  # recency and counts after the decisions: this call is "now"
         counters = self._counters[layer]
         counters[0] += 1
         counters[1] += len(flats) - len(missed)
@@ -358,6 +340,71 @@ class ExpertCache:
         return _plan(layer=layer, expert_ids=routed, slots=[slot_of.get(base + e) for e in routed],
                      copies=copies, hits=len(flats) - len(missed), misses=len(missed),
                      bypassed=tuple(sorted(bypassed)) if bypassed else (), evicted=evicted)
+
+    def record_hits(self, layer: int, expert_ids: Sequence[int] | Iterable[int]) -> int:
+        """Count a call of ``layer`` whose routed experts all hold slots, exactly as `ensure`
+        would plan it (the same recency, counts, policy order and counters), without building a
+        plan: every expert keeps its slot and nothing is copied. Returns the distinct experts
+        counted (the call's hits).
+
+        A compiled decode step serves most calls from its slot table and settles them here after
+        the step (``engine/experts/resident.py``): ~30 calls a token, each a pure hit by
+        construction, so the plan `ensure` builds and the engine validates would say nothing.
+
+        Refuses with `CacheRefused` (``layer_out_of_range``, ``expert_out_of_range``,
+        ``not_resident``: a routed expert has no slot, so the call is no pure hit) before any
+        state changes.
+        """
+        layer, routed = self._checked_call(layer, expert_ids)
+        base = layer * self.num_experts
+        slot_of = self._slot_of
+        flats = [base + e for e in dict.fromkeys(routed)]
+        missing = [flat - base for flat in flats if flat not in slot_of]
+        if missing:
+            raise CacheRefused("not_resident", f"layer {layer}: experts {missing} hold no slot",
+                               layer=layer, experts=tuple(missing))
+        self._begin_call(layer)
+        touch = self._touch
+        if touch is not None:
+            for flat in flats:
+                touch(flat)
+        self._end_call(layer, flats)
+        counters = self._counters[layer]
+        counters[0] += 1
+        counters[1] += len(flats)
+        return len(flats)
+
+    def _checked_call(self, layer: int,
+                      expert_ids: Sequence[int] | Iterable[int]) -> tuple[int, tuple[int, ...]]:
+        """``(layer, routed ids)`` of a call, checked and converted to ints; refuses out-of-range ids."""
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            self._check_layer(layer)
+            layer = operator.index(layer)
+        routed = tuple(expert_ids)
+        n_experts = self.num_experts
+        for e in routed:
+            if type(e) is not int or not 0 <= e < n_experts:  # the rare case: check and convert
+                self._check_experts(layer, routed)
+                return layer, tuple(operator.index(e) for e in routed)
+        return layer, routed
+
+    def _begin_call(self, layer: int) -> None:
+        """A call of ``layer`` starts: it is the latest call and its layer's latest pass."""
+        history = self._history
+        history.calls += 1
+        history.passes[layer] += 1
+        history.latest_layer = layer
+
+    def _end_call(self, layer: int, flats: list[int]) -> None:
+        """The call's routed ``flats`` were used now: their recency and counts, then the policy's."""
+        history = self._history
+        calls, passes = history.calls, history.passes[layer]
+        last_call, last_pass, count = history.last_call, history.last_pass, history.count
+        for flat in flats:
+            last_call[flat] = calls
+            last_pass[flat] = passes
+            count[flat] += 1
+        self._ranker.end(flats)
 
     def forget_slot(self, slot: int) -> tuple[int, int] | None:
         """Mark ``slot`` empty after its copy failed; it becomes the first slot to be reused.

@@ -55,7 +55,8 @@ async def test_resident_calls_skip_the_operator_and_the_planner_sees_every_call_
     take their slots from the table: the operator plans none of them, yet the planner's trace has
     every call, layer 0 then 1 in each step, and the kernel counts them all. Prevents: the table
     unwired (the operator plans every call), the settling unwired (the planner misses the calls, so
-    recency, counts and the policy's order go stale), or calls settled out of layer order."""
+    recency, counts and the policy's order go stale), calls settled out of layer order, or settled
+    hits planned and validated as slot plans (``ExpertCache.record_hits`` is their verb)."""
     off, step = served
     runtime = off.runtime
     routes = torch.arange(EXPERTS).view(-1, runtime.top_k)  # every expert, a few tokens
@@ -65,6 +66,7 @@ async def test_resident_calls_skip_the_operator_and_the_planner_sees_every_call_
                         torch.ones(routes.shape, dtype=torch.bfloat16))
     assert runtime.cache.resident_count == LAYERS * EXPERTS
     calls, kernel, operator = runtime.cache.stats().calls, runtime.fused.calls, runtime.operator_calls
+    plans = runtime.slots.stats().plans
     steps = step.compiled_steps
     runtime.start_trace()
     await _serve(off.model, tiny[1])
@@ -75,6 +77,8 @@ async def test_resident_calls_skip_the_operator_and_the_planner_sees_every_call_
     assert [layer for layer, _ in trace] == [0, 1] * (len(trace) // 2)
     assert runtime.cache.stats().calls - calls == len(trace) >= LAYERS * served_steps
     assert runtime.fused.calls - kernel >= LAYERS * served_steps
+    # Only the eager calls (the prefill's) build slot plans; the settled ones are counted hits.
+    assert runtime.slots.stats().plans - plans <= len(trace) - LAYERS * served_steps
     runtime.check_integrity(deep=True)
 
 

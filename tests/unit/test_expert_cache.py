@@ -132,6 +132,35 @@ class CacheContract:
         assert err.value.kind == "invalid_fetch_limit"
         assert (cache.residency_map(), cache.stats(), cache.recency_map()) == before
 
+    def test_record_hits_leaves_the_state_ensure_leaves_on_a_pure_hit(self):
+        # A compiled step's settled calls take record_hits: any drift from ensure would make the
+        # policy evict differently after a decode than after the same eager calls.
+        planned, recorded = (self.make(layers=2, experts=8, capacity=8) for _ in range(2))
+        for cache in (planned, recorded):
+            sweep(cache, 2, lambda t, layer: [layer, 2 + layer, 4 + t])
+        hits = [(0, [0, 4]), (1, [3, 1, 3]), (0, [5, 2]), (1, [1]), (0, [4, 0, 2])]
+        for layer, routed in hits:
+            assert planned.ensure(layer, routed).misses == 0
+            assert recorded.record_hits(layer, routed) == len(set(routed))
+        assert recorded.per_layer_stats() == planned.per_layer_stats()
+        assert recorded.recency_map() == planned.recency_map()
+        assert recorded.policy_info() == planned.policy_info()
+        for layer, routed in [(1, [6, 7]), (0, [6, 7, 1]), (1, [0, 5])]:  # then misses: the same victims
+            assert recorded.ensure(layer, routed) == planned.ensure(layer, routed)
+        assert recorded.residency_map() == planned.residency_map()
+
+    def test_record_hits_refuses_a_call_that_is_no_pure_hit_before_any_change(self):
+        cache = self.make(layers=2, experts=8, capacity=4)
+        cache.ensure(0, [1, 2])
+        before = (cache.residency_map(), cache.stats(), cache.recency_map(), cache.policy_info())
+        for args, kind in [((0, [1, 3]), "not_resident"), ((2, [1]), "layer_out_of_range"),
+                           ((0, [1, 8]), "expert_out_of_range")]:
+            with pytest.raises(CacheRefused) as err:
+                cache.record_hits(*args)
+            assert err.value.kind == kind
+        assert err.value.kind == "expert_out_of_range"
+        assert (cache.residency_map(), cache.stats(), cache.recency_map(), cache.policy_info()) == before
+
     def test_resize_shrink_compacts_survivors_below_the_new_capacity(self):
         cache = self.make(layers=2, experts=8, capacity=8)
         sweep(cache, 3, lambda t, layer: [t, t + 1])
