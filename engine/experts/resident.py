@@ -10,9 +10,12 @@ routing for the planner, or, where a slot is missing, plans the call (copies the
 before.
 
 The planner still sees every call, in the same order: the calls served from the table are
-*settled* (planned and recorded, each a hit by construction) before the next call the operator
-plans, and the rest right after the step. So its state (recency, counts, the policy's order) is
-what planning each call in turn would have made it, and every miss is decided on that state.
+*settled* (counted as the pure hits they are by construction, ``ExpertCache.record_hits``: the
+bookkeeping ``ensure`` does for a hit, without a plan to build, validate and apply) before the next
+call the operator plans, and the rest right after the step. So its state (recency, counts, the
+policy's order) is what planning each call in turn would have made it, and every miss is decided on
+that state. Settling as plans took ~1.0 ms of a ~13 ms int8 decode step of one request on the demo
+(30 calls); counted, ~0.63 ms (same host, served, the step's own timer).
 Rules:
 
 - Calls are settled in the order they ran, each once; a step that fails is forgotten (its eager
