@@ -85,12 +85,12 @@ class ResidentSlots:
 
     # --- settling ---------------------------------------------------------------------------
 
-    def settle(self, plan_hit: Callable[[int, list[int], int], None]) -> None:
-        """Have the planner see the served calls: ``plan_hit(layer, routed ids ascending, tokens)``
+    def settle(self, count_hit: Callable[[int, list[int], int], None]) -> None:
+        """Have the planner see the served calls: ``count_hit(layer, routed ids ascending, tokens)``
         each, in the order they ran."""
         pending, self.pending = self.pending, []
         for layer, pairs in pending:
-            plan_hit(layer, sorted({expert for row in pairs for expert in row}), len(pairs))
+            count_hit(layer, sorted({expert for row in pairs for expert in row}), len(pairs))
 
     def forget_step(self) -> None:
         """A step failed: its unsettled calls are dropped (its eager rerun plans them)."""

@@ -352,7 +352,7 @@ class ExpertRuntime:
         table served before it are settled first, then it is planned as :meth:`fused_slots` plans
         it (None: expert-parallel sentinels)."""
         with self._lock:
-            self.resident.settle(self._plan_hit)
+            self.resident.settle(self._settle_hit)
             slots = self.fused_slots(layer, top_k_index)
             if slots is not None:
                 assert self.fused is not None, "a compiled step plans here only where the kernel serves"
@@ -364,9 +364,9 @@ class ExpertRuntime:
         not seen yet (:mod:`~moetray.engine.experts.resident`)."""
         if self.resident.pending:
             with self._lock:
-                self.resident.settle(self._plan_hit)
+                self.resident.settle(self._settle_hit)
 
-    def _plan_hit(self, layer: int, routed: list[int], tokens: int) -> None:
+    def _settle_hit(self, layer: int, routed: list[int], tokens: int) -> None:
         """Record a call the slot table served (every routed expert had a slot) as planning it
         would have: the planner counts it as the pure hit it is (``ExpertCache.record_hits``: no
         plan to build, none to validate or apply). A routed expert the planner does not hold means
