@@ -348,9 +348,8 @@ class ExpertRuntime:
         return torch.tensor([[slot_of[e] for e in row] for row in pairs], dtype=torch.long)
 
     def planned_slots(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor | None:
-        """A compiled step's ``moetray::expert_slots`` for a call that misses: the calls the slot
-        table served before it are settled first, then it is planned as :meth:`fused_slots` plans
-        it (None: expert-parallel sentinels)."""
+        """A compiled step's ``moetray::expert_slots`` for a call that misses: the served calls before
+        it settled first, then planned as :meth:`fused_slots` plans it (None: expert-parallel sentinels)."""
         with self._lock:
             self.resident.settle(self._settle_hit)
             slots = self.fused_slots(layer, top_k_index)
@@ -360,17 +359,14 @@ class ExpertRuntime:
             return slots
 
     def settle_step(self) -> None:
-        """A compiled step returned: the planner sees the calls the slot table served that it has
-        not seen yet (:mod:`~moetray.engine.experts.resident`)."""
+        """A compiled step returned: the planner sees the calls the slot table served (``resident.py``)."""
         if self.resident.pending:
             with self._lock:
                 self.resident.settle(self._settle_hit)
 
     def _settle_hit(self, layer: int, routed: list[int], tokens: int) -> None:
-        """Record a call the slot table served (every routed expert had a slot) as planning it
-        would have: the planner counts it as the pure hit it is (``ExpertCache.record_hits``: no
-        plan to build, none to validate or apply). A routed expert the planner does not hold means
-        the table lied."""
+        """Count a call the slot table served as the pure hit it is (``ExpertCache.record_hits``: no
+        plan to build, validate or apply); a routed expert without a slot means the table lied."""
         if self.trace is not None:
             self.trace.append((layer, tuple(routed)))
         try:
@@ -378,8 +374,7 @@ class ExpertRuntime:
         except CacheRefused as exc:
             if exc.kind != "not_resident":
                 raise
-            raise CacheIntegrityError(f"the slot table served experts the planner does not hold: "
-                                      f"{exc}") from exc
+            raise CacheIntegrityError(f"the slot table served experts with no slot: {exc}") from exc
         self._record(layer, hits, 0, 0, tokens)
         assert self.fused is not None, "the slot table serves only where the kernel does"
         self.fused.calls += 1
