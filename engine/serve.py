@@ -284,6 +284,31 @@ def forget_on_signal(credentials: Credentials) -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
+class HeldStop:
+    """Holds a Stop (SIGINT) that lands while the engine imports and builds, and raises it once
+    that is done (``release``), just before the server takes the signals over.
+
+    Raised at once, a ``KeyboardInterrupt`` can land inside a C++→Python callback (torch and
+    transformers import through pybind11), which cannot unwind it: the process aborts (exit -6)
+    instead of stopping. The start-up is bounded (imports and building, no model load), so a Stop
+    waits at most that long. Installed whatever SIGINT's disposition was: a background job of a
+    non-interactive shell inherits it ignored, and a Stop while loading was then lost.
+    """
+
+    def __init__(self) -> None:
+        self.held = False
+        signal.signal(signal.SIGINT, self._hold)
+
+    def _hold(self, signum, frame) -> None:
+        self.held = True
+
+    def release(self) -> None:
+        """Give SIGINT back to Python's handler; raise the Stop that came meanwhile, if one did."""
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.held:
+            raise KeyboardInterrupt
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(
@@ -291,12 +316,10 @@ def main(argv: list[str]) -> int:
     )
     tray = os.environ.get(PARENT_PID_ENV)
     stopper = interrupted_by(tray)  # under a tray, SIGINT is its Stop
-    # Listen for it even when started with SIGINT ignored (a background job of a non-interactive
-    # shell inherits SIG_IGN and Python keeps it): a Stop while loading was lost and the engine ran on.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop = HeldStop()
     watch_parent(tray)
     try:
-        return _serve(args, stopper)
+        return _serve(args, stopper, stop)
     except BaseException as exc:  # a Stop before the server took over the signals (still importing)
         if not is_a_stop(exc):
             raise
@@ -304,7 +327,7 @@ def main(argv: list[str]) -> int:
         return 0
 
 
-def _serve(args: argparse.Namespace, stopper: str) -> int:
+def _serve(args: argparse.Namespace, stopper: str, stop: HeldStop) -> int:
     if args.api_key:
         log.warning(
             "--api-key puts the key on the command line, where other users can read it (ps); "
@@ -361,6 +384,7 @@ def _serve(args: argparse.Namespace, stopper: str) -> int:
         log.info("moetray engine listening on http://%s:%d (model loads in the background; see /health)",
                  shown, port)
         forget_on_signal(credentials)
+        stop.release()
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn already shut down gracefully, then re-raised the signal
