@@ -88,6 +88,30 @@ TEAM_RETURN_OTHERS_CORES = 0.15
 """... and at or below which they return to it: the gap keeps a load near the limit from switching
 the threads back and forth every measurement."""
 
+TEAM_LEAVE_WINDOW_S = 0.5
+"""Seconds of others' load that must have been busy for decode steps to leave the team: the kernel
+counts CPU time in 10 ms ticks, so half a second resolves 0.02 of a core a counter."""
+
+TEAM_RETURN_WINDOW_S = 0.2
+"""Seconds of others' load that stand for "now" (0.05 of a core a counter, inside the limits'
+gap): steps on one thread return to the team once these are free, and steps on the team leave it
+only while these are busy too. Read over half a second alone, a burst of other work that had
+ended held the steps on one thread for most of a short reply: ``bench peer`` turns the cores over
+from llama.cpp to moetray every round, and moetray's 48-token replies (~0.6 s) decoded at 77 tok/s
+against 94-96 with no turn before them (the Q8_0 demo, 2 cores). Read over the short window to
+return and the long one alone to leave, the steps switched at every step after such a turn."""
+
+
+def others_load(latest: float | None, lasting: float | None, *, on_team: bool) -> float | None:
+    """The load of other programs a decode step's choice (:func:`team_serves_decode`) weighs:
+    ``latest`` is the busy cores over :data:`TEAM_RETURN_WINDOW_S`, ``lasting`` over
+    :data:`TEAM_LEAVE_WINDOW_S` (None: not measured yet). Off the team, the latest (free now: go
+    back); on it, the lesser (leave for a load that has lasted and still holds, not for an ended
+    burst nor a noisy moment)."""
+    if on_team and latest is not None and lasting is not None:
+        return min(latest, lasting)
+    return latest
+
 
 def openmp_defaults(wait_policy: str | None) -> dict[str, str]:
     """The OpenMP settings the engine starts with where the user set no ``OMP_WAIT_POLICY`` of
@@ -116,8 +140,8 @@ def team_serves_decode(others_cores: float | None, *, cores: int, budget: int, s
 
     Only where OpenMP workers spin between regions (``spinning``: a passive team loses to one
     thread, see above), the budget has two threads or more, and the load of other programs is
-    known (``others_cores``: busy cores over the latest interval, None before the first: one thread,
-    the choice that cannot collapse). The team keeps serving up to
+    known (``others_cores``, :func:`others_load`; None before it is measured: one thread, the choice
+    that cannot collapse). The team keeps serving up to
     :data:`TEAM_LEAVE_OTHERS_CORES` beyond the ``cores - budget`` the engine leaves free, and decode
     steps on one thread (``on_team`` False) return to it at :data:`TEAM_RETURN_OTHERS_CORES`."""
     if not spinning or budget < 2 or others_cores is None:

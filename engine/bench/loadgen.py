@@ -25,15 +25,15 @@ from typing import Any
 
 import httpx
 
-from moetray.engine.cores import LOAD_INTERVAL_S
+from moetray.policy.step_threads import TEAM_LEAVE_WINDOW_S
 
-SETTLE_S = 2 * LOAD_INTERVAL_S
-"""Seconds the client waits before the timed requests (after its warm-up request, if any): its own start-up (a
-Python interpreter importing httpx and asyncio, ~0.3-0.5 s of a core) is then older than two of the
-engines' load readings, so an engine that gives decode steps the whole thread budget only while
-other programs leave the cores free (``engine/cores.py``) does not read the load generator's start
-as a busy machine (it did: 40 % of the timed batch-1 steps on one thread). Every server waits the
-same."""
+SETTLE_S = 2 * TEAM_LEAVE_WINDOW_S
+"""Seconds the client waits before the timed requests (after its warm-up request, if any): its own
+start-up (a Python interpreter importing httpx and asyncio, ~0.3-0.5 s of a core) is then older than
+twice the longest window of load the engines read, so an engine that gives decode steps the whole
+thread budget only while other programs leave the cores free (``engine/cores.py``) does not read
+the load generator's start as a busy machine (it did: 40 % of the timed batch-1 steps on one
+thread). Every server waits the same."""
 
 TOPICS = ["the sea", "mountains", "a library", "trains", "gardens", "the moon", "rivers", "winter",
           "a market", "bridges", "clocks", "forests", "deserts", "islands", "cities", "music"]

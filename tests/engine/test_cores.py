@@ -4,11 +4,9 @@ the load leaves the cores free, on one thread when it does not, on graphs compil
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import torch
@@ -20,7 +18,7 @@ from moetray.engine.cb.runner import BatchRunner, RunnerConfig
 from moetray.engine.cores import DecodeTeam, OthersLoad
 from moetray.engine.experts import load_offloaded_model
 from moetray.engine.experts.fused import FUSED_MAX_TOKENS
-from moetray.policy.step_threads import TEAM_SPIN_COUNT
+from moetray.policy.step_threads import TEAM_LEAVE_WINDOW_S, TEAM_RETURN_WINDOW_S, TEAM_SPIN_COUNT
 
 BUSY = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
 
@@ -29,47 +27,55 @@ def test_a_busy_program_beside_the_engine_reads_as_others_load(processes):
     """A child spinning on a core reads as at least half a core of others' load over an interval
     (more where the machine is busier). Prevents: the engine's own CPU time, or nothing, read as
     the others'."""
-    load = OthersLoad(interval_s=0.5)
-    assert load.cores() is None  # no interval has passed yet
+    load = OthersLoad()
+    assert load.cores() is None  # no window has passed yet
     processes.spawn([sys.executable, "-c", BUSY])
     time.sleep(0.3)  # the child is running
     first = load.readings
     deadline = time.monotonic() + 30
-    while load.readings < first + 2 and time.monotonic() < deadline:  # a whole interval with the child busy
+    while load.readings < first + 7 and time.monotonic() < deadline:  # a whole window with the child busy
         time.sleep(0.1)
-    assert load.readings >= first + 2, "no interval of CPU counters was read within 30 s"
-    assert load.cores() >= 0.5
+    assert load.readings >= first + 7, "no window of CPU counters was read within 30 s"
+    assert load.cores(TEAM_LEAVE_WINDOW_S) >= 0.5 and load.cores(TEAM_RETURN_WINDOW_S) >= 0.5
 
 
-def test_the_load_is_sampled_between_readings_and_the_sampler_ends_with_its_reader():
-    """After the first reading the counters are read every interval with nobody asking, so the
-    reading a decode step takes after an idle spell is the latest interval's; the sampler thread
-    ends once the reader is dropped. Prevents: a first step after idle that averages the whole
-    spell (other programs' work long past), or a thread per retired batch runner left running."""
-    def samplers() -> set[threading.Thread]:
-        return {t for t in threading.enumerate() if t.name == "moetray-others-load"}
-
-    before = samplers()
+def test_a_window_is_read_once_the_history_spans_it():
+    """A reading covers the window asked for, from readings sampled at the interval; a window
+    longer than the history kept (the leaving window) or than the time sampled so far reads None.
+    Prevents: a short window answered from a stale long interval (the return to the team late by
+    half a second), or a reading over less time than asked."""
     load = OthersLoad(interval_s=0.05)
-    assert load.cores() is None
-    (sampler,) = samplers() - before
+    assert load.cores(0.1) is None
     deadline = time.monotonic() + 30
-    while load.readings < 3 and time.monotonic() < deadline:
+    while load.cores(TEAM_LEAVE_WINDOW_S) is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert load.readings >= 3, "the counters were not sampled in the background within 30 s"
-    assert load.cores() is not None
-    del load
-    gc.collect()
-    sampler.join(timeout=30)
-    assert not sampler.is_alive(), "the sampler outlived its reader"
+    assert load.cores(TEAM_LEAVE_WINDOW_S) is not None, "no half second of readings within 30 s"
+    assert load.cores(0.1) is not None
+    assert load.cores(2 * TEAM_LEAVE_WINDOW_S) is None  # older readings are not kept
+
+
+def test_a_team_reads_the_latest_load_off_it_and_both_windows_on_it():
+    """Off the team a decode step's choice reads the latest 0.2 s of others' load; on it the latest
+    and the last 0.5 s, and leaves only when both are busy. Prevents: steps held on one thread for
+    most of a short reply after another program's burst had ended (bench peer's turns: 77 against
+    95 tok/s), or switching at every step after one (the half second still held the burst)."""
+    asked: list[float] = []
+    others = {TEAM_RETURN_WINDOW_S: 0.0, TEAM_LEAVE_WINDOW_S: 0.9}  # a burst that has just ended
+    team = DecodeTeam(2, spinning=True, cores=2,
+                      load=lambda window_s: asked.append(window_s) or others[window_s])
+    asked.clear()  # the construction's first reading
+    assert team.decides() and team.decides()  # joins, and stays: the burst is over
+    assert asked == [TEAM_RETURN_WINDOW_S, TEAM_LEAVE_WINDOW_S, TEAM_RETURN_WINDOW_S]
+    others[TEAM_RETURN_WINDOW_S] = 1.0  # busy again, and for long
+    assert not team.decides()
 
 
 def test_a_team_that_cannot_form_never_reads_the_load():
     """Passive OpenMP waits (the tests' own setting) or a budget of one thread: every decode step
     on one thread, and no load reading (no sampler thread) for it."""
     asked = []
-    for team in (DecodeTeam(2, spinning=False, load=lambda: asked.append(1) or 0.0, cores=2),
-                 DecodeTeam(1, spinning=True, load=lambda: asked.append(1) or 0.0, cores=2)):
+    for team in (DecodeTeam(2, spinning=False, load=lambda window_s: asked.append(1) or 0.0, cores=2),
+                 DecodeTeam(1, spinning=True, load=lambda window_s: asked.append(1) or 0.0, cores=2)):
         assert not team.possible
         assert [team.decides() for _ in range(3)] == [False] * 3
         assert team.one_thread_steps == 3
@@ -119,7 +125,8 @@ async def test_served_decode_steps_take_the_team_while_the_cores_are_free(tiny, 
     config = RunnerConfig(kv_pages=64, page_size=PAGE, prefix_policy="off", eos_token_ids=(EOS,),
                           one_thread_small_steps=True, thread_budget=2)
     runner = BatchRunner(off.model, config)
-    team = runner.decode_team = DecodeTeam(2, spinning=True, load=lambda: others["cores"], cores=2)
+    team = runner.decode_team = DecodeTeam(2, spinning=True, load=lambda window_s: others["cores"],
+                                          cores=2)
     runner.start()
     try:
         graphs = counters["stats"]["unique_graphs"]

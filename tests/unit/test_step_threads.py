@@ -6,11 +6,14 @@ from moetray.policy.step_threads import (
     DECODE_STEP_TOKENS,
     ONE_THREAD_MAX_MACS,
     TEAM_LEAVE_OTHERS_CORES,
+    TEAM_LEAVE_WINDOW_S,
     TEAM_RETURN_OTHERS_CORES,
+    TEAM_RETURN_WINDOW_S,
     TEAM_SPIN_COUNT,
     one_thread_tokens,
     openmp_defaults,
     openmp_workers_spin,
+    others_load,
     step_threads,
     team_serves_decode,
 )
@@ -84,6 +87,26 @@ def test_a_load_between_the_limits_keeps_the_choice_in_force():
 def test_cores_the_budget_leaves_free_are_the_other_programs_to_use():
     assert _team(2.0, cores=8, budget=6)
     assert not _team(2.0 + TEAM_LEAVE_OTHERS_CORES + 0.01, cores=8, budget=6, on_team=True)
+
+
+def test_off_the_team_the_latest_load_decides():
+    assert others_load(0.05, None, on_team=False) == 0.05
+    assert others_load(0.05, 0.9, on_team=False) == 0.05  # an ended burst does not hold it back
+
+
+def test_on_the_team_only_a_load_that_lasted_and_still_holds_counts():
+    assert others_load(0.9, 0.05, on_team=True) == 0.05  # a noisy moment
+    assert others_load(0.05, 0.9, on_team=True) == 0.05  # a burst that has ended
+    assert others_load(1.0, 0.9, on_team=True) == 0.9
+
+
+def test_the_latest_window_is_the_shorter():
+    assert TEAM_RETURN_WINDOW_S < TEAM_LEAVE_WINDOW_S
+
+
+def test_a_load_not_measured_yet_stays_unknown():
+    assert others_load(None, None, on_team=False) is None
+    assert others_load(None, None, on_team=True) is None
 
 
 def test_an_unknown_load_keeps_decode_steps_on_one_thread():
