@@ -118,7 +118,7 @@ class DecodeTeam:
         self.possible = team_serves_decode(0.0, cores=self.cores, budget=budget, spinning=spinning,
                                            on_team=False)
         if self.possible:
-            # Start sampling now: read first at the first step, the load is None for an interval, and a
+            # Start sampling now: read first at the first step, the load is None for a window, and a
             # served engine's first request ran its prefill and first half second of decode on one
             # thread (measured: a 43-token prefill 280-340 ms against 150-200 on the team after it).
             self.load(TEAM_RETURN_WINDOW_S)
