@@ -320,7 +320,7 @@ def main(argv: list[str]) -> int:
     watch_parent(tray)
     try:
         return _serve(args, stopper, stop)
-    except BaseException as exc:  # a Stop before the server took over the signals (still importing)
+    except BaseException as exc:  # a Stop before the server took over the signals (HeldStop.release)
         if not is_a_stop(exc):
             raise
         log.info("stopped by %s before serving", stopper)
