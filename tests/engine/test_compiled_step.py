@@ -143,6 +143,18 @@ def test_the_graphs_are_built_at_start_and_outlive_a_kv_resplit(compiled):
     assert step.compiled_steps == before + 2 * len(WARM_UP_STEPS)
 
 
+def test_the_warm_up_compiles_one_graph_per_step_kind(tiny_moe):
+    """A new step's warm-up on one thread compiles two graphs, one token and any token count, both
+    at any KV length; the warm-up's later KV length takes the first. Prevents: a graph for the first
+    warm-up step's KV length alone, compiled at every start and never serving (~8 s on the demo)."""
+    off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.float32, capacity=8)
+    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    graphs = counters["stats"]["unique_graphs"]
+    make_runner(off.model, kv_pages=64, thread_budget=1).stop()
+    assert step.reason is None and step.compiled_steps == len(WARM_UP_STEPS)
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+
+
 async def test_a_failing_graph_leaves_eager_steps_with_the_same_tokens(tiny, tiny_moe, monkeypatch):
     """A graph that raises (a compilation failing mid-serving) is refused with its reason and the
     step reruns eagerly: the request still gets transformers' tokens. Prevents: one failed
