@@ -56,6 +56,30 @@ def test_a_compiled_region_keeps_no_traced_graph_alive():
     assert _graphs_calling(torch.atan2) == []
 
 
+def test_a_compiled_region_keeps_no_cache_entries_in_memory(monkeypatch):
+    """The compile caches' entries that torch records in memory (for ``save_cache_artifacts``, which
+    moetray never calls; 36 MiB on the demo) are dropped once a region's graph is compiled."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    recorded: list[str] = []
+    record = CacheArtifactManager.record_artifact.__func__
+
+    def counting(cls, artifact_type: str, key: str, content: object) -> None:
+        recorded.append(artifact_type)
+        record(cls, artifact_type, key, content)
+
+    monkeypatch.setattr(CacheArtifactManager, "record_artifact", classmethod(counting))
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return torch.hypot(x, x + 2) * 5
+
+    compiled = compiling.compile_region(region, recompile_limit=4, fullgraph=True)
+    x = torch.linspace(0.5, 2, 7)
+    assert torch.allclose(compiled(x), region(x))
+    assert recorded  # the caches recorded entries while the region compiled
+    assert not CacheArtifactManager._new_cache_artifacts and not CacheArtifactManager._seen_artifacts
+
+
 def test_a_compiled_regions_kernels_fuse_multiply_and_add():
     """Every region's C++ kernels are built with fused multiply-adds (inductor's config in force while
     it compiles, seen by a pass of the region's own): its one-row products save an instruction."""
