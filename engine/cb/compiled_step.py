@@ -160,12 +160,12 @@ def _traceable_update(cache, key_states, value_states, layer_idx, kwargs):  # no
 WARM_UP_STEPS = ((1, 1), (1, 2), (2, 1))
 """(query tokens, 1/share of a page cached) of the warm-up steps, which build the two graphs serving
 uses: one token at any KV length (a batch of one), and any token count (a batch, a short chunk).
-Their KV-length sizes are symbolic from the first (:func:`kv_lengths_vary`), so a changed KV length
-takes the same graph and a changed token count compiles the second (dynamo makes a size symbolic
-once it varies)."""
+Their KV-length sizes are symbolic from the first (:func:`mark_kv_lengths_symbolic`), so a changed
+KV length takes the same graph and a changed token count compiles the second (dynamo makes a size
+symbolic once it varies)."""
 
 
-def kv_lengths_vary(kwargs: dict[str, Any]) -> None:
+def mark_kv_lengths_symbolic(kwargs: dict[str, Any]) -> None:
     """Mark a step's sizes that follow the KV length (the attention mask's key axis, each allocator's
     read index) symbolic before dynamo first traces the step. Left to dynamo, the first warm-up step
     compiled a graph for its own KV length only and the second compiled the symbolic one: on the
@@ -269,7 +269,7 @@ class CompiledDecodeStep:
             return self.eager(*args, **kwargs)
         _STEP.cache = kwargs["cache"]
         if self.warming:
-            kv_lengths_vary(kwargs)
+            mark_kv_lengths_symbolic(kwargs)
         try:
             out = self.graph(*args, **kwargs)
         except Exception as exc:  # a compilation failing now: serve eagerly from here on
