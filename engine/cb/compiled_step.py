@@ -157,12 +157,14 @@ def _traceable_update(cache, key_states, value_states, layer_idx, kwargs):  # no
     return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
 
 
-WARM_UP_STEPS = ((1, 1), (1, 2), (2, 1))
+WARM_UP_STEPS = ((1, 2), (1, 1), (2, 1))
 """(query tokens, 1/share of a page cached) of the warm-up steps, which build the two graphs serving
 uses: one token at any KV length (a batch of one), and any token count (a batch, a short chunk).
 Their KV-length sizes are symbolic from the first (:func:`mark_kv_lengths_symbolic`), so a changed
 KV length takes the same graph and a changed token count compiles the second (dynamo makes a size
-symbolic once it varies)."""
+symbolic once it varies). The first step caches half a page, the sizes dynamo traced the one-token
+graph at when it made them symbolic itself (the second step): a warm compile cache then held every
+graph already (no new entry), the same code as before the marking."""
 
 
 def mark_kv_lengths_symbolic(kwargs: dict[str, Any]) -> None:
