@@ -4,9 +4,11 @@ the load leaves the cores free, on one thread when it does not, on graphs compil
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -52,6 +54,28 @@ def test_a_window_is_read_once_the_history_spans_it():
     assert load.cores(TEAM_LEAVE_WINDOW_S) is not None, "no half second of readings within 30 s"
     assert load.cores(0.1) is not None
     assert load.cores(2 * TEAM_LEAVE_WINDOW_S) is None  # older readings are not kept
+
+
+def test_the_load_is_sampled_without_a_reader_and_the_sampler_ends_with_it():
+    """After the first reading the counters are sampled with nobody asking, so the window a decode
+    step reads after an idle spell is the latest; the sampler thread ends once the reader is
+    dropped. Prevents: a first step after idle that averages the whole spell, or a thread waking
+    every 0.1 s per retired batch runner left running."""
+    def samplers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "moetray-others-load"}
+
+    before = samplers()
+    load = OthersLoad(interval_s=0.05)
+    assert load.cores() is None
+    (sampler,) = samplers() - before
+    deadline = time.monotonic() + 30
+    while load.readings < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert load.readings >= 3, "the counters were not sampled in the background within 30 s"
+    del load
+    gc.collect()
+    sampler.join(timeout=30)
+    assert not sampler.is_alive(), "the sampler outlived its reader"
 
 
 def test_a_team_reads_the_latest_load_off_it_and_both_windows_on_it():
