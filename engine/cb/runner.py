@@ -30,7 +30,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from moetray.engine.cb.compiled_step import decode_step_of
 from moetray.engine.cb.hybrid import HYBRID_SCHEDULER, HybridPagedCache, hybrid_substrate
-from moetray.engine.cb.kv import lazily_zeroed_cpu_cache, return_freed_heap
+from moetray.engine.cb.kv import lazily_zeroed_cpu_cache, map_attention_mask_lazily, return_freed_heap
 from moetray.engine.cb.prefix import (
     PREFIX_POLICIES,
     RADIX_SCHEDULER,
@@ -228,6 +228,7 @@ class BatchRunner:
                 with lazily_zeroed_cpu_cache(self.model.device):
                     manager.warmup()  # builds the batch processor (and so the KV pool) on this thread
                 processor = manager.batch_processor
+                map_attention_mask_lazily(processor)
                 cache = processor.cache
                 step = decode_step_of(self.model)  # never on a hybrid (refused at load)
                 if step is not None:

@@ -98,6 +98,41 @@ async def test_eight_interleaved_greedy_requests_match_generate_token_for_token(
         assert len(finals[f"r{i}"].generated_tokens) == len(ref)
 
 
+def resident_share(tensor: torch.Tensor) -> float:
+    """The share of ``tensor``'s pages that are resident (Linux ``mincore``)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() - tensor.data_ptr() % page
+    pages = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size() - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / pages
+
+
+async def test_the_attention_mask_holds_only_the_pages_steps_read(tiny):
+    """The substrate's mask spans every batch token against the whole cache (here 256 × 8,448
+    float32: 8.3 MiB) and its full resets filled all of it; the runner maps it lazily
+    (``kv.map_attention_mask_lazily``), so after a generation loop started (a full reset) and
+    served batched greedy requests, only the rows those steps read are resident, and the tokens
+    still equal ``generate``'s."""
+    model, tok = tiny
+    prompts = [prompt_ids(tok, f"Tell me {i} things about experts") for i in range(3)]
+    refs = [greedy_reference(model, p, 8) for p in prompts]
+    runner = make_runner(model, kv_pages=512, policy="stock")
+    try:
+        finals = await run_all(runner, {f"r{i}": (p, 8, Sampling(temperature=0.0)) for i, p in enumerate(prompts)})
+        masks = runner.manager.batch_processor.inputs_and_outputs.attention_mask
+    finally:
+        runner.stop()
+    assert [finals[f"r{i}"].generated_tokens for i in range(3)] == refs
+    (mask,) = masks.values()
+    assert mask.numel() * mask.element_size() >= 8 << 20
+    assert resident_share(mask) < 0.25
+
+
 async def test_a_seed_fixes_the_sample_whatever_else_shares_the_batch(tiny):
     """A seeded request draws the same tokens alone or next to others (no shared RNG stream)."""
     model, tok = tiny
