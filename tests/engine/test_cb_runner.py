@@ -123,7 +123,8 @@ async def test_the_attention_mask_holds_only_the_pages_steps_read(tiny):
     refs = [greedy_reference(model, p, 8) for p in prompts]
     runner = make_runner(model, kv_pages=512, policy="stock")
     try:
-        finals = await run_all(runner, {f"r{i}": (p, 8, Sampling(temperature=0.0)) for i, p in enumerate(prompts)})
+        jobs = {f"r{i}": (p, 8, Sampling(temperature=0.0)) for i, p in enumerate(prompts)}
+        finals = await run_all(runner, jobs)
         masks = runner.manager.batch_processor.inputs_and_outputs.attention_mask
     finally:
         runner.stop()
