@@ -172,10 +172,11 @@ def mark_kv_lengths_symbolic(kwargs: dict[str, Any]) -> None:
     read index) symbolic before dynamo first traces the step. Left to dynamo, the first warm-up step
     compiled a graph for its own KV length only and the second compiled the symbolic one: on the
     demo (bfloat16, 2 cores, warm compile cache) the first graph took ~8 s of a 54 s warm-up and
-    served no step after it."""
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        torch._dynamo.maybe_mark_dynamic(mask, 3)
+    served no step after it. A model with sliding windows passes one mask per attention kind."""
+    masks = kwargs.get("attention_mask")
+    for mask in masks.values() if isinstance(masks, dict) else [masks]:
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            torch._dynamo.maybe_mark_dynamic(mask, 3)
     for read_index in kwargs.get("read_index") or []:
         torch._dynamo.maybe_mark_dynamic(read_index, 0)
 

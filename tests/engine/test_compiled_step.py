@@ -155,6 +155,18 @@ def test_the_warm_up_compiles_one_graph_per_step_kind(tiny_moe):
     assert counters["stats"]["unique_graphs"] - graphs == 2
 
 
+def test_a_sliding_window_models_warm_up_compiles_one_graph_per_step_kind(tiny_moe):
+    """The same for gpt-oss, whose steps carry one mask per attention kind (a dict): each mask's KV
+    axis is marked symbolic, not only a lone mask's. Prevents: the extra graph at every start of a
+    model with sliding windows."""
+    off = load_offloaded_model(tiny_moe("gpt_oss", "per_expert"), dtype=torch.float32, capacity=16)
+    step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
+    graphs = counters["stats"]["unique_graphs"]
+    make_runner(off.model, kv_pages=64, thread_budget=1, policy="off").stop()
+    assert step.reason is None and step.compiled_steps == len(WARM_UP_STEPS)
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+
+
 async def test_a_failing_graph_leaves_eager_steps_with_the_same_tokens(tiny, tiny_moe, monkeypatch):
     """A graph that raises (a compilation failing mid-serving) is refused with its reason and the
     step reruns eagerly: the request still gets transformers' tokens. Prevents: one failed
