@@ -42,8 +42,10 @@ def kv_overhead_bytes(
 
     Mirrors ``PagedAttentionMemoryHandler`` for an eager/SDPA model with one full-attention
     group, no async double-buffering and no decode fast path (how :class:`BatchRunner`
-    configures it). Per page: the attention-mask columns ``[M, page]``, the KV read back at
-    the attention peak and the read indices. Fixed: two trash pages, the per-batch-token
+    configures it). Per page: the attention-mask columns ``[M, page]`` (priced whole: a batch of
+    ``M`` tokens reading the whole cache touches them all, though :func:`map_attention_mask_lazily`
+    keeps a lighter load from holding them), the KV read back at the attention peak and the read
+    indices. Fixed: two trash pages, the per-batch-token
     activation peak and IO rows, and the mask's ``[M, M]`` square.
     """
     from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads

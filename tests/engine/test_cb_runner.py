@@ -9,7 +9,9 @@ just how many.
 from __future__ import annotations
 
 import asyncio
+import sys
 
+import pytest
 import torch
 
 from moetray.engine.cb import BatchRunner, RadixLedger, RunnerConfig, Sampling, seeded_uniform
@@ -112,6 +114,7 @@ def resident_share(tensor: torch.Tensor) -> float:
     return sum(b & 1 for b in vec) / pages
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore reads Linux's page residency")
 async def test_the_attention_mask_holds_only_the_pages_steps_read(tiny):
     """The substrate's mask spans every batch token against the whole cache (here 256 × 8,448
     float32: 8.3 MiB) and its full resets filled all of it; the runner maps it lazily
