@@ -262,6 +262,50 @@ def test_loading_hands_its_freed_heap_back(tiny_moe):
     assert probe["returned"] < 4 << 20, probe
 
 
+ONEDNN_SHAPES_PROBE = """
+import ctypes, json
+import moetray.engine.serve  # the engine's process settings, as `moetray serve` starts
+import torch
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+def in_use():
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+torch.set_num_threads(1)
+up, down = torch.randn(576, 192, dtype=torch.bfloat16), torch.randn(192, 576, dtype=torch.bfloat16)
+rows = [torch.randn(m, 576, dtype=torch.bfloat16) for m in range(1, 257)]
+before = in_use()
+with torch.no_grad():
+    for x in rows:  # one expert's products at every token count a 256-token chunk can route to it
+        torch.mm(torch.mm(x, up), down)
+print(json.dumps({"held": in_use() - before}))
+"""
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="mallinfo2 is glibc's")
+def test_bfloat16_products_of_many_token_counts_leave_a_bounded_cache(tmp_path):
+    """A prefill's expert products meet one matmul shape per routed token count, and oneDNN and
+    ideep kept each compiled shape with its buffers (1,024 of each by default): 256 token counts
+    through one expert held 281 MiB. The engine bounds both caches
+    (``serve.ONEDNN_CACHED_SHAPES``): 35 MiB. Measured in a fresh interpreter without the user's
+    own settings."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    caches = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    env = {k: v for k, v in os.environ.items() if k not in caches}
+    done = subprocess.run([sys.executable, "-c", ONEDNN_SHAPES_PROBE], capture_output=True, text=True,
+                          timeout=600, check=True, env=env, cwd=tmp_path)
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert probe["held"] < 100 << 20, probe
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 def test_every_refusal_takes_its_kind_from_refused():
