@@ -65,7 +65,7 @@ def test_a_retired_kv_pool_is_unmapped_and_rss_returns_after_every_resplit(tiny_
     startup_maps = mappings_of(startup_bytes, engine)
     assert startup_maps >= 1
     resplit(engine, small)
-    assert mappings_of(startup_bytes, engine) <= startup_maps - 1, "the startup pool is mapped after a re-split"
+    assert mappings_of(startup_bytes, engine) <= startup_maps - 1, "the startup pool outlived a re-split"
     rss_after = psutil.Process().memory_info().rss
     assert rss_full - rss_after >= 0.8 * startup_bytes, (rss_full, rss_after, startup_bytes)
     small_bytes, rss_small = fill_and_measure(engine)
