@@ -135,19 +135,27 @@ def map_attention_mask_lazily(processor) -> None:  # noqa: ANN001 - the substrat
     for layer_type, mask in masks.items():
         nbytes = mask.numel() * mask.element_size()
         masks[layer_type] = zero_mapped(nbytes).view(mask.dtype).view(mask.shape)
-    reset = io._reset_static_tensors
+    reset = type(io)._reset_static_tensors
 
     def reset_sparing_the_mask(full_reset: bool = False) -> None:
-        if not full_reset:
-            reset()
-            return
-        io.attention_mask = None  # the substrate's reset skips a model without a mask
-        try:
-            reset(full_reset=True)
-        finally:
-            io.attention_mask = masks
+        reset(_WithoutMask(io) if full_reset else io, full_reset=full_reset)
 
     io._reset_static_tensors = reset_sparing_the_mask
+
+
+class _WithoutMask:
+    """``io`` as the substrate's reset sees it with no attention mask (a model without one): every
+    other attribute is read from and written to ``io`` itself, whose mask stays in place for any
+    other reader."""
+
+    def __init__(self, io) -> None:  # noqa: ANN001 - the substrate's ContinuousBatchingIOs
+        object.__setattr__(self, "_io", io)
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - whatever the attribute is
+        return None if name == "attention_mask" else getattr(self._io, name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        setattr(self._io, name, value)
 
 
 def return_freed_heap() -> None:
