@@ -67,7 +67,10 @@ def test_a_retired_kv_pool_is_unmapped_and_rss_returns_after_every_resplit(tiny_
     resplit(engine, small)
     assert mappings_of(startup_bytes, engine) <= startup_maps - 1, "the startup pool outlived a re-split"
     rss_after = psutil.Process().memory_info().rss
-    assert rss_full - rss_after >= 0.8 * startup_bytes, (rss_full, rss_after, startup_bytes)
+    # Less the new runner's own start (~14 MB in a full run: its warm-up, index storage): the
+    # retired runner's attention mask, once wholly resident and returned with the pool, is no longer
+    # resident at all (kv.map_attention_mask_lazily), so it no longer pads this difference.
+    assert rss_full - rss_after >= 0.6 * startup_bytes, (rss_full, rss_after, startup_bytes)
     small_bytes, rss_small = fill_and_measure(engine)
     small_maps = mappings_of(small_bytes, engine)
     for _ in range(3):  # any number of re-splits with traffic between: nothing accumulates
