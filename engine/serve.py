@@ -38,10 +38,12 @@ os.environ.update(MOETRAY_OPENMP)
 ONEDNN_CACHED_SHAPES = 64
 """Matmul shapes oneDNN, and ideep (torch's wrapper of it), each keep compiled with their buffers
 (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``; 1,024 each by default). A prefill
-chunk's bfloat16 expert products meet one shape per routed token count, and each shape stayed:
+chunk's bfloat16 expert products met one shape per routed token count, and each shape stayed:
 the F16 demo's engine held 217 MiB more in use by malloc after one 600-word prompt (RSS 1140 →
-1418 MiB), 16 MiB at this bound (1223 MiB); a shape seen again keeps its cached cost. Set before
-torch first calls oneDNN; a user's own setting wins."""
+1418 MiB), 16 MiB at this bound (1223 MiB). At this bound those shapes were built again and again
+(that prompt's first token 2.1 → 3.0 s, ``bench peer``), so 16-bit products now reach oneDNN at a
+few row counts (``models.precision.half_linear``), which the bound holds. Set before torch first
+calls oneDNN; a user's own setting wins."""
 for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_cache, str(ONEDNN_CACHED_SHAPES))
 

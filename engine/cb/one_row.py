@@ -65,7 +65,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import (
@@ -83,7 +82,7 @@ from moetray.engine.compiling import CPP_WRAPPER, compile_region
 from moetray.engine.experts.fused import float_buffer
 from moetray.engine.helpers import share_out
 from moetray.engine.models import few_rows
-from moetray.engine.models.precision import Int8Linear, int8_product
+from moetray.engine.models.precision import Int8Linear, half_linear, int8_product
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ def _traced_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if _one_row(x):
             return one_row_product(x, self.weight, self.bias)
         return few_rows.half_product(x, self.weight, self.bias)
-    return F.linear(x, self.weight, self.bias)
+    return half_linear(x, self.weight, self.bias)
 
 
 def _traced_int8_linear(self: Int8Linear, x: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moetray.engine.models import few_rows
@@ -179,15 +180,33 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor) ->
     need = min(out_features, step) * in_features
     if scratch is None or scratch.numel() < need:
         scratch = _WIDEN.scratch = torch.empty(need, dtype=torch.bfloat16)
-    padded = widened_rows(rows)
-    if padded > rows:
-        x = torch.cat([x, x.new_zeros((padded - rows, in_features))])
+    x = padded_rows(x)
     blocks = []
     for lo in range(0, out_features, step):
         hi = min(lo + step, out_features)
         wide = scratch[:(hi - lo) * in_features].view(hi - lo, in_features).copy_(qweight[lo:hi])
         blocks.append(torch.mm(x, wide.t())[:rows].mul_(qscale[lo:hi]))
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+
+
+def padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[rows, in]`` with zero rows appended up to :func:`~moetray.policy.precision.widened_rows`
+    (``x`` itself where it has that many): the few row counts oneDNN builds its kernels for."""
+    rows = x.shape[0]
+    padded = widened_rows(rows)
+    return x if padded == rows else torch.cat([x, x.new_zeros((padded - rows, x.shape[1]))])
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; a 16-bit product on the CPU is computed over :func:`padded_rows`
+    (oneDNN's, whose kernels are built per shape: a prefill's rows, a prompt's length, an expert's
+    routed tokens, would each build one and, past the bounded cache, ``serve.ONEDNN_CACHED_SHAPES``,
+    build it again). The same values row by row as far as the kernel's blocking goes: lossy formats only."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    out = F.linear(padded_rows(flat), weight, bias)
+    return out[:flat.shape[0]].reshape(*x.shape[:-1], weight.shape[0])
 
 
 def int8_product(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor,

@@ -352,3 +352,25 @@ def test_shared_out_tasks_run_under_the_callers_grad_mode():
         share_out([task] * 4, 2)
     assert len(seen) == 4 and not any(grad for _, grad in seen)
     assert len({ident for ident, _ in seen}) == 2
+
+
+def test_an_eager_16_bit_linear_of_many_rows_reaches_onednn_at_a_padded_row_count(monkeypatch):
+    """A decoder's 16-bit linear run eagerly (a prefill chunk: as many rows as the prompt has
+    tokens) multiplies ``policy.precision.widened_rows`` rows, so prompts of every length share a few
+    oneDNN kernels; the rows it returns are the unpadded product's within bfloat16 rounding."""
+    from moetray.policy.precision import widened_rows
+
+    lin = nn.Linear(96, 40).bfloat16()
+    x = torch.randn(2, 23, 96).bfloat16()
+    rows: list[int] = []
+    real = F.linear
+
+    def spy(a, w, b=None):
+        rows.append(a.shape[0])
+        return real(a, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    with torch.no_grad():
+        got = one_row._traced_linear(lin, x)
+    assert rows == [widened_rows(46)] != [46]
+    torch.testing.assert_close(got, real(x, lin.weight, lin.bias), rtol=1.6e-2, atol=1e-2)
