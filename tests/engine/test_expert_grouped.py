@@ -120,6 +120,18 @@ def test_a_batched_step_shares_its_small_groups_over_the_threads(tiny_moe, monke
     assert set(threads) == {threading.current_thread().name}  # one thread: every group in place, no hand-off
 
 
+def _bfloat16_prefill_call(tiny_moe, *, tokens: int, seed: int):
+    """A bfloat16 model's first experts module and a prefill-size call's arguments (random routing)."""
+    om = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), capacity=16, dtype=torch.bfloat16)
+    runtime = om.runtime
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(runtime.num_experts, generator=generator)[:runtime.top_k]
+                         for _ in range(tokens)])
+    args = (torch.randn(tokens, om.model.config.hidden_size, generator=generator).bfloat16(),
+            index, torch.rand(tokens, runtime.top_k, generator=generator).bfloat16())
+    return expert_modules(om.model)[0][1], args
+
+
 def test_a_prefill_calls_small_gemms_on_one_thread_each(tiny_moe, monkeypatch):
     """With two torch threads, a bfloat16 prefill-size call (many rows per routed expert, each
     product far below ``ONE_THREAD_MAX_MACS``) runs every GEMM on one intra-op thread, shared
@@ -127,15 +139,7 @@ def test_a_prefill_calls_small_gemms_on_one_thread_each(tiny_moe, monkeypatch):
     above the limit keeps the caller's whole budget. Prevents: a prefill paying an OpenMP team's
     wake-up per expert and projection (the time to first token at two threads was 1.6x that at one
     on the demo), or a large GEMM losing its second core."""
-    om = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), capacity=16, dtype=torch.bfloat16)
-    runtime = om.runtime
-    generator = torch.Generator().manual_seed(0)
-    tokens = 24
-    index = torch.stack([torch.randperm(runtime.num_experts, generator=generator)[:runtime.top_k]
-                         for _ in range(tokens)])
-    args = (torch.randn(tokens, om.model.config.hidden_size, generator=generator).bfloat16(),
-            index, torch.rand(tokens, runtime.top_k, generator=generator).bfloat16())
-    mine = expert_modules(om.model)[0][1]
+    mine, args = _bfloat16_prefill_call(tiny_moe, tokens=24, seed=0)
     with torch.no_grad():
         want = mine(*args)  # one thread (the autouse fixture): every GEMM in place
     calls: list[tuple[str, int, int]] = []
@@ -243,15 +247,7 @@ def test_a_16_bit_prefills_expert_products_reach_onednn_at_few_row_counts(tiny_m
     from moetray.engine.models import precision as precision_module
     from moetray.policy.precision import widened_rows
 
-    om = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), capacity=16, dtype=torch.bfloat16)
-    runtime = om.runtime
-    generator = torch.Generator().manual_seed(1)
-    tokens = 37
-    index = torch.stack([torch.randperm(runtime.num_experts, generator=generator)[:runtime.top_k]
-                         for _ in range(tokens)])
-    args = (torch.randn(tokens, om.model.config.hidden_size, generator=generator).bfloat16(),
-            index, torch.rand(tokens, runtime.top_k, generator=generator).bfloat16())
-    mine = expert_modules(om.model)[0][1]
+    mine, args = _bfloat16_prefill_call(tiny_moe, tokens=37, seed=1)
     groups: list[int] = []
     library_rows: list[int] = []
     real_gemm, real_linear = grouped_module._gemm_into, torch.nn.functional.linear
