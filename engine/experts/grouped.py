@@ -131,9 +131,9 @@ def _gemm_into(out: torch.Tensor, lo: int, hi: int, states: torch.Tensor, w: tor
     an :class:`~moetray.engine.experts.int8.Int8Weight` goes to the weight-only int8 kernel instead."""
     if type(w) is Int8Weight:
         out[lo:hi].copy_(int8_gemm(states[lo:hi], w))
-    elif states.dtype == torch.float32:
+    elif states.dtype == torch.float32 or states.device.type != "cpu":
         torch.mm(states[lo:hi], w, out=out[lo:hi])
-    else:  # 16-bit: over the few row counts oneDNN keeps kernels for
+    else:  # 16-bit on the CPU: over the few row counts oneDNN keeps kernels for
         out[lo:hi].copy_(half_linear(states[lo:hi], w.t()))
     if bias is not None:
         out[lo:hi].add_(bias)
