@@ -267,7 +267,7 @@ class _LlamaChild:
         return self._ask(long_prompt=long_prompt(words), tokens=LONG_TOKENS)
 
     def footprint(self) -> dict[str, Any]:
-        return {"rss": self._ask(rss=True)["rss"]}
+        return {"rss": self._ask(rss=True)["rss"], **rss_parts(self.proc.pid)}
 
     def stop(self) -> None:
         stop_process_group(self.proc)
@@ -319,10 +319,31 @@ def _round(url: str, conc: int, tokens: int, bias: dict[str, float]) -> dict[str
     return {"requests": results, "wall_s": time.perf_counter() - start}
 
 
+RSS_PARTS = {"RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem"}
+"""The kernel's parts of a process's RSS (``/proc/PID/status``, kB) and their keys in a footprint:
+memory of its own (the heap, tensors), pages of mapped files (libraries, and llama.cpp's model file,
+which it maps rather than reads) and shared memory."""
+
+
+def rss_parts(pid: int) -> dict[str, int | None]:
+    """``pid``'s RSS by :data:`RSS_PARTS`, in bytes; None each where the kernel does not say (no such
+    process, not Linux)."""
+    parts: dict[str, int | None] = dict.fromkeys(RSS_PARTS.values())
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return parts
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name in RSS_PARTS and value.split() and value.split()[-1] == "kB":
+            parts[RSS_PARTS[name]] = int(value.split()[0]) * 1024
+    return parts
+
+
 def _footprint(pid: int, before: int | None) -> dict[str, Any]:
-    """A serving child's memory, read after its last request: RSS, and on an NVIDIA GPU its device
-    memory (NVML's figure for the process where the driver names it, and the device's use over
-    ``before``, read before the child started)."""
+    """A serving child's memory, read after its last request: RSS and :func:`rss_parts`, and on an
+    NVIDIA GPU its device memory (NVML's figure for the process where the driver names it, and the
+    device's use over ``before``, read before the child started)."""
     import psutil
 
     from moetray.engine.telemetry import nvml_process_bytes, nvml_used_bytes
@@ -330,6 +351,7 @@ def _footprint(pid: int, before: int | None) -> dict[str, Any]:
     used = nvml_used_bytes(0)
     return {
         "rss": psutil.Process(pid).memory_info().rss,
+        **rss_parts(pid),
         "device_process_bytes": nvml_process_bytes(0, pid),
         "device_delta_bytes": used - before if used is not None and before is not None else None,
     }
@@ -628,6 +650,8 @@ def main(argv: list[str]) -> int:
                     "moetray_dtype": ours.get("dtype"),
                     "moetray_slots": ours.get("moe_slots"),
                     "rss_ratio": ours["rss"] / llama["rss"],
+                    **{f"{side}_{part}": footprint.get(part) for part in RSS_PARTS.values()
+                       for side, footprint in (("llama", llama), ("moetray", ours))},
                 }
                 for key in ("decode_tok_s", "aggregate_tok_s", "ttft_ms"):
                     row[f"{key}_ratio"] = paired_ratio(ms[conc]["rounds"], ls[conc]["rounds"], key)

@@ -4,6 +4,9 @@ be built (a lent GPU). The servers themselves are measured by the bench, not her
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -181,3 +184,20 @@ def test_the_speed_goals_are_stated_per_file_met_or_not():
     assert "decode tok/s 0.67× (goal >= 1.0: NOT met)" in note
     assert "four requests 1.60× (goal >= 1.5: met)" in note
     assert "first token 0.43× (goal <= 1.0: met)" in note
+
+
+def test_a_footprints_rss_parts_add_up_to_the_processs_rss_or_are_null():
+    """This process's RSS split by the kernel into its own memory, mapped files and shared memory:
+    each measured, together the RSS psutil reads (generous: both reads are moments apart); a process
+    that does not exist has every part null, never 0. Prevents: a part misnamed (and so always null),
+    a value left in kB, or an unknown part written as 0."""
+    import psutil
+
+    parts = peer.rss_parts(os.getpid())
+    assert set(parts) == {"rss_anon", "rss_file", "rss_shmem"}
+    assert parts["rss_anon"] > 0 and parts["rss_file"] > 0 and parts["rss_shmem"] is not None
+    rss = psutil.Process().memory_info().rss
+    assert 0.8 * rss < sum(parts.values()) < 1.25 * rss
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert peer.rss_parts(gone.pid) == dict.fromkeys(parts)
