@@ -49,7 +49,7 @@ from typing import Any
 
 from moetray.engine.bench.exits import exit_reason
 from moetray.engine.bench.results import receipt_name, results_dir, write_receipt
-from moetray.engine.bench.serve import Child, engine_serving, stop_process_group
+from moetray.engine.bench.serve import MIB, Child, engine_serving, stop_process_group
 from moetray.engine.bench.targets import peer_env
 
 PROMPTS = [
@@ -459,11 +459,21 @@ def _start_llama_server(model: Path, args, n_cpu_moe: int | None, bias: dict[str
     return _Server("llama-server", cmd, port, peer_env(), lambda r: r.status_code == 200, args, bias)
 
 
-def rss_goal(moetray_rss: int, llama_rss: int, dtype: str | None) -> dict[str, Any]:
-    """One file's RSS goal: moetray's RSS over llama.cpp's, and whether it is ≤ :data:`RSS_GOAL_RATIO`."""
+def own_memory(footprint: dict[str, Any]) -> int | None:
+    """A server's RSS less its mapped files' pages (:func:`rss_parts`): what it holds itself,
+    shared memory included (moetray's KV pool is an anonymous shared mapping); None if unknown."""
+    anon, shmem = footprint.get("rss_anon"), footprint.get("rss_shmem")
+    return None if anon is None or shmem is None else anon + shmem
+
+
+def rss_goal(moetray_rss: int, llama_rss: int, dtype: str | None, *,
+             moetray_own: int | None = None, llama_own: int | None = None) -> dict[str, Any]:
+    """One file's RSS goal: moetray's RSS over llama.cpp's, and whether it is ≤ :data:`RSS_GOAL_RATIO`;
+    each one's own memory (:func:`own_memory`) beside them."""
     ratio = moetray_rss / llama_rss
     return {"ratio": ratio, "met": ratio <= RSS_GOAL_RATIO, "moetray_rss": moetray_rss,
-            "llama_rss": llama_rss, "moetray_dtype": dtype}
+            "llama_rss": llama_rss, "moetray_dtype": dtype,
+            "moetray_own": moetray_own, "llama_own": llama_own}
 
 
 def rss_goal_summary(files: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -477,8 +487,14 @@ def rss_goal_summary(files: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def rss_goal_note(goal: dict[str, Any]) -> str:
     """The goal's sentence under the table (``goal``: the receipt's ``goals[RSS_GOAL]``)."""
+    def own(g: dict[str, Any]) -> str:
+        mine, theirs = g.get("moetray_own"), g.get("llama_own")
+        if mine is None or theirs is None:
+            return ""
+        return f"; its own memory, mapped files aside, {mine / MIB:.0f} against {theirs / MIB:.0f} MiB"
+
     parts = "; ".join(
-        f"{label} {g['ratio']:.2f}× (moetray in {g['moetray_dtype'] or 'unknown dtype'})"
+        f"{label} {g['ratio']:.2f}× (moetray in {g['moetray_dtype'] or 'unknown dtype'}{own(g)})"
         for label, g in goal["files"].items()
     )
     return (
@@ -630,7 +646,8 @@ def main(argv: list[str]) -> int:
                 llama_engine.stop()
             ls, ms = summary(llama["rounds"]), summary(ours["rounds"])
             if n_cpu_moe is None:
-                rss[label] = rss_goal(ours["rss"], llama["rss"], ours.get("dtype"))
+                rss[label] = rss_goal(ours["rss"], llama["rss"], ours.get("dtype"),
+                                      moetray_own=own_memory(ours), llama_own=own_memory(llama))
                 if "long" in ours and "long" in llama:
                     long[label] = long_prompt_ttft(llama["long"], ours["long"], args.long_prompt_words)
                     _progress(f"  long prompt: TTFT llama.cpp {long[label]['llama_cpp_ttft_ms']:.0f} vs "
