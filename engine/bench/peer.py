@@ -5,11 +5,11 @@ compiles llama.cpp; skipped with a message where it is not installed), in a chil
 own so its RSS is its own; moetray runs as ``moetray serve --model FILE`` in another child, driven
 over HTTP with streaming. Same file, same prompts, same thread count, greedy decode; measured at
 concurrency 1 and 4: decode tok/s per request (tokens after the first / time after the first),
-aggregate tok/s, TTFT, and each process's RSS. Both are up at once and take turns, round by round
-(``--rounds``): this project's 2-core hosts drift by a third in speed within minutes, so each
-ratio is the median of its rounds' own ratios (:func:`paired_ratio`). llama-cpp-python's ``Llama``
-decodes one sequence at a time, so its concurrent requests queue behind one another: its
-concurrency-4 figures show that.
+aggregate tok/s, TTFT, and each process's RSS (and its parts, :func:`rss_parts`). Both are up at
+once and take turns, round by round (``--rounds``): this project's 2-core hosts drift by a third in
+speed within minutes, so each ratio is the median of its rounds' own ratios (:func:`paired_ratio`).
+llama-cpp-python's ``Llama`` decodes one sequence at a time, so its concurrent requests queue behind
+one another: its concurrency-4 figures show that.
 
 ``--llama-server BIN`` runs llama.cpp's own OpenAI server instead (a CUDA build on a GPU), driven by
 the same client as moetray, one slot per concurrent request (it batches them). On a GPU,
@@ -335,8 +335,9 @@ def rss_parts(pid: int) -> dict[str, int | None]:
         return parts
     for line in lines:
         name, _, value = line.partition(":")
-        if name in RSS_PARTS and value.split() and value.split()[-1] == "kB":
-            parts[RSS_PARTS[name]] = int(value.split()[0]) * 1024
+        fields = value.split()
+        if name in RSS_PARTS and fields[1:] == ["kB"]:
+            parts[RSS_PARTS[name]] = int(fields[0]) * 1024
     return parts
 
 
