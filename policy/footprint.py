@@ -13,7 +13,7 @@ Nothing here opens a file: the probes take a ``read_text(path) -> str | None`` r
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -22,9 +22,12 @@ __all__ = [
     "Footprint",
     "FootprintKind",
     "ProbeCache",
+    "RSS_PARTS",
+    "own_memory",
     "parse_smaps_rollup_pss",
     "parse_stat_pgid",
     "parse_status_rss",
+    "parse_status_rss_parts",
     "probe_footprint",
     "probe_group_footprint",
     "process_group",
@@ -79,6 +82,26 @@ def parse_smaps_rollup_pss(text: str | None) -> int | None:
 def parse_status_rss(text: str | None) -> int | None:
     """Bytes of RSS from ``/proc/<pid>/status`` text (``VmRSS:``); same rules as the PSS parser."""
     return _parse_kb_field(text, "VmRSS")
+
+
+RSS_PARTS = {"RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem"}
+"""The kernel's parts of a process's RSS (``/proc/<pid>/status`` fields) and their keys: memory of
+its own (the heap, tensors), pages of mapped files (libraries, and a model file a server maps
+rather than reads, as llama.cpp does) and shared memory."""
+
+
+def parse_status_rss_parts(text: str | None) -> dict[str, int | None]:
+    """Bytes of each of :data:`RSS_PARTS` from ``/proc/<pid>/status`` text, each by the PSS parser's
+    rules (``None`` where unknown)."""
+    return {key: _parse_kb_field(text, field) for field, key in RSS_PARTS.items()}
+
+
+def own_memory(parts: Mapping[str, int | None]) -> int | None:
+    """A process's RSS less its mapped files' pages (:func:`parse_status_rss_parts`): what it holds
+    itself, shared memory included (moetray's KV pool is an anonymous shared mapping); ``None`` if
+    either part is unknown."""
+    anon, shmem = parts.get("rss_anon"), parts.get("rss_shmem")
+    return None if anon is None or shmem is None else anon + shmem
 
 
 def parse_stat_pgid(text: str | None) -> int | None:

@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetray.engine import serve as _serve  # noqa: F401 - sets OMP_WAIT_POLICY before torch loads
-from moetray.engine.bench.peer import RSS_GOAL, rss_goal_from_receipt
 from moetray.engine.bench.results import receipt_name
+from moetray.engine.bench.rss_goal import RSS_GOAL, rss_goal_from_receipt
 from moetray.engine.bench.targets import (
     LlamaServer,
     ServedEngine,

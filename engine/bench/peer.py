@@ -21,9 +21,7 @@ request decodes ``--tokens`` tokens on both servers. ``--twin DIR`` serves a see
 model of DIR's config and tokenizer where the demo cannot be built (``bench/gpu/run.sh``: a lent
 GPU takes 64 MiB of files).
 
-The receipt states the RSS goal (issue 15: moetray's RSS ≤ :data:`RSS_GOAL_RATIO` × llama.cpp's
-for the same file) per file, both RSS read once both servers have served every request;
-:func:`rss_goal_from_receipt` reads it back for ``bench decode``, whose engines share its process.
+The receipt states the RSS goal per file (``engine.bench.rss_goal``).
 
 The default file is the demo exported with :func:`~moetray.engine.models.gguf_export.export_gguf`,
 avoiding two llama.cpp traps the demo meets: its shared-expert gates are exactly zero (llama.cpp's
@@ -48,9 +46,11 @@ from pathlib import Path
 from typing import Any
 
 from moetray.engine.bench.exits import exit_reason
-from moetray.engine.bench.results import receipt_name, results_dir, write_receipt
-from moetray.engine.bench.serve import MIB, Child, engine_serving, stop_process_group
+from moetray.engine.bench.results import receipt_name, write_receipt
+from moetray.engine.bench.rss_goal import RSS_GOAL, rss_goal, rss_goal_note, rss_goal_summary
+from moetray.engine.bench.serve import Child, engine_serving, stop_process_group
 from moetray.engine.bench.targets import peer_env
+from moetray.policy.footprint import RSS_PARTS, own_memory, parse_status_rss_parts
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
@@ -95,9 +95,6 @@ LLAMA_CONTEXT = 2048
 """llama.cpp's context per request (llama-cpp-python's ``n_ctx``; llama-server gets one per slot)."""
 LONG_TOKENS = 4
 """Tokens asked of the long prompt: its first token is what is measured."""
-RSS_GOAL_RATIO = 1.3
-RSS_GOAL = "rss_le_1.3x"
-"""The goal's name in receipts (``bench decode``'s too): moetray's RSS ≤ 1.3 × llama.cpp's."""
 
 _LLAMA_CHILD = r"""
 import json, sys, time
@@ -319,26 +316,14 @@ def _round(url: str, conc: int, tokens: int, bias: dict[str, float]) -> dict[str
     return {"requests": results, "wall_s": time.perf_counter() - start}
 
 
-RSS_PARTS = {"RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem"}
-"""The kernel's parts of a process's RSS (``/proc/PID/status``, kB) and their keys in a footprint:
-memory of its own (the heap, tensors), pages of mapped files (libraries, and llama.cpp's model file,
-which it maps rather than reads) and shared memory."""
-
-
 def rss_parts(pid: int) -> dict[str, int | None]:
-    """``pid``'s RSS by :data:`RSS_PARTS`, in bytes; None each where the kernel does not say (no such
-    process, not Linux)."""
-    parts: dict[str, int | None] = dict.fromkeys(RSS_PARTS.values())
+    """``pid``'s RSS by ``policy.footprint.RSS_PARTS``, in bytes; None each where the kernel does not
+    say (no such process, not Linux)."""
     try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        text: str | None = Path(f"/proc/{pid}/status").read_text()
     except OSError:
-        return parts
-    for line in lines:
-        name, _, value = line.partition(":")
-        fields = value.split()
-        if name in RSS_PARTS and fields[1:] == ["kB"]:
-            parts[RSS_PARTS[name]] = int(fields[0]) * 1024
-    return parts
+        text = None
+    return parse_status_rss_parts(text)
 
 
 def _footprint(pid: int, before: int | None) -> dict[str, Any]:
@@ -458,69 +443,6 @@ def _start_llama_server(model: Path, args, n_cpu_moe: int | None, bias: dict[str
     if n_cpu_moe is not None:
         cmd += ["--n-cpu-moe", str(n_cpu_moe)]
     return _Server("llama-server", cmd, port, peer_env(), lambda r: r.status_code == 200, args, bias)
-
-
-def own_memory(footprint: dict[str, Any]) -> int | None:
-    """A server's RSS less its mapped files' pages (:func:`rss_parts`): what it holds itself,
-    shared memory included (moetray's KV pool is an anonymous shared mapping); None if unknown."""
-    anon, shmem = footprint.get("rss_anon"), footprint.get("rss_shmem")
-    return None if anon is None or shmem is None else anon + shmem
-
-
-def rss_goal(moetray_rss: int, llama_rss: int, dtype: str | None, *,
-             moetray_own: int | None = None, llama_own: int | None = None) -> dict[str, Any]:
-    """One file's RSS goal: moetray's RSS over llama.cpp's, and whether it is ≤ :data:`RSS_GOAL_RATIO`;
-    each one's own memory (:func:`own_memory`) beside them."""
-    ratio = moetray_rss / llama_rss
-    return {"ratio": ratio, "met": ratio <= RSS_GOAL_RATIO, "moetray_rss": moetray_rss,
-            "llama_rss": llama_rss, "moetray_dtype": dtype,
-            "moetray_own": moetray_own, "llama_own": llama_own}
-
-
-def rss_goal_summary(files: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The receipt's ``goals[RSS_GOAL]``: met only where every file meets it; the worst ratio."""
-    return {
-        "ratio_max": max(g["ratio"] for g in files.values()),
-        "met": all(g["met"] for g in files.values()),
-        "files": files,
-    }
-
-
-def rss_goal_note(goal: dict[str, Any]) -> str:
-    """The goal's sentence under the table (``goal``: the receipt's ``goals[RSS_GOAL]``)."""
-    def own(g: dict[str, Any]) -> str:
-        mine, theirs = g.get("moetray_own"), g.get("llama_own")
-        if mine is None or theirs is None:
-            return ""
-        return f"; its own memory, mapped files aside, {mine / MIB:.0f} against {theirs / MIB:.0f} MiB"
-
-    parts = "; ".join(
-        f"{label} {g['ratio']:.2f}× (moetray in {g['moetray_dtype'] or 'unknown dtype'}{own(g)})"
-        for label, g in goal["files"].items()
-    )
-    return (
-        f"Goal {RSS_GOAL} (moetray's RSS ≤ {RSS_GOAL_RATIO}× llama.cpp's for the same file, both read "
-        f"after serving every request): {'met' if goal['met'] else 'NOT met'}: {parts}."
-    )
-
-
-def rss_goal_from_receipt(path: Path | None = None) -> dict[str, Any] | None:
-    """The RSS goal of the last ``bench peer`` receipt (``bench/results/peer.json``) with where it
-    came from, or None where there is no such receipt or it predates the goal."""
-    path = path or results_dir() / "peer.json"
-    try:
-        receipt = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    goal = (receipt.get("results") or {}).get("goals", {}).get(RSS_GOAL)
-    if goal is None:
-        return None
-    return {
-        "ratio": goal["ratio_max"],
-        "met": goal["met"],
-        "files": {label: g["ratio"] for label, g in goal["files"].items()},
-        "source": f"{path} (bench peer, created_unix {receipt.get('created_unix')})",
-    }
 
 
 def _settings(args) -> list[tuple[str, int | None, str | None]]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from expert_helpers import isolated_profile_dir, one_torch_thread  # noqa: F401 (autouse fixtures)
 
-from moetray.engine.bench import bw, decode, offload, peer
+from moetray.engine.bench import bw, decode, offload, peer, rss_goal
 from moetray.engine.bench.results import RESULTS_DIR_ENV, receipt_name, write_receipt
 from moetray.engine.experts.hybrid import lookup_profile, resolve_qstar
 
@@ -62,19 +62,19 @@ def test_bench_decode_states_the_rss_goal_bench_peer_measured(tmp_path, monkeypa
     receipt it is None with a note, never a number. Prevents: the goal read as met or as 0."""
 
     monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path / "results"))
-    absent = decode.goals([], None)[peer.RSS_GOAL]
+    absent = decode.goals([], None)[rss_goal.RSS_GOAL]
     assert absent["ratio"] is None and absent["met"] is None and "bench peer" in absent["note"]
 
-    files = {"demo F16": peer.rss_goal(1300 << 20, 440 << 20, "float32"),
-             "demo Q8_0": peer.rss_goal(380 << 20, 300 << 20, "bfloat16")}
+    files = {"demo F16": rss_goal.rss_goal(1300 << 20, 440 << 20, "float32"),
+             "demo Q8_0": rss_goal.rss_goal(380 << 20, 300 << 20, "bfloat16")}
     assert files["demo Q8_0"]["met"] and not files["demo F16"]["met"]
-    goal = peer.rss_goal_summary(files)
-    write_receipt("peer", params={}, results={"rows": [], "goals": {peer.RSS_GOAL: goal}}, columns=[],
-                  rows=[], title="peer", notes=[peer.rss_goal_note(goal)])
-    stated = decode.goals([], None)[peer.RSS_GOAL]
+    goal = rss_goal.rss_goal_summary(files)
+    write_receipt("peer", params={}, results={"rows": [], "goals": {rss_goal.RSS_GOAL: goal}}, columns=[],
+                  rows=[], title="peer", notes=[rss_goal.rss_goal_note(goal)])
+    stated = decode.goals([], None)[rss_goal.RSS_GOAL]
     assert stated["met"] is False and abs(stated["ratio"] - 1300 / 440) < 1e-9
     assert stated["files"]["demo Q8_0"] == 380 / 300 and "peer.json" in stated["source"]
-    assert "NOT met" in peer.rss_goal_note(goal) and "2.95×" in peer.rss_goal_note(goal)
+    assert "NOT met" in rss_goal.rss_goal_note(goal) and "2.95×" in rss_goal.rss_goal_note(goal)
 
 
 def test_a_peer_starts_with_the_users_openmp_wait_policy_not_moetrays(monkeypatch):

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from moetray.engine.bench import peer
+from moetray.engine.bench import peer, rss_goal
 from moetray.engine.bench.random_model import ensure_random_model, ensure_random_twin
 
 KILLED_BY_SIGILL = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
@@ -204,14 +204,11 @@ def test_a_footprints_rss_parts_add_up_to_the_processs_rss_or_are_null():
 
 
 def test_the_rss_goal_states_each_servers_own_memory_where_both_were_read():
-    """A server's own memory is its RSS less its mapped files (anonymous plus shared pages): stated
-    in the goal's sentence beside the ratio when both servers' parts were read, left out (never
-    0) when either was not. Prevents: llama.cpp's mapped model file compared as if it were heap."""
-    footprint = {"rss_anon": 800 << 20, "rss_file": 120 << 20, "rss_shmem": 40 << 20}
-    assert peer.own_memory(footprint) == 840 << 20
-    assert peer.own_memory({**footprint, "rss_shmem": None}) is None
-    read = peer.rss_goal(960 << 20, 330 << 20, "int8", moetray_own=840 << 20, llama_own=141 << 20)
-    unread = peer.rss_goal(960 << 20, 330 << 20, "int8", moetray_own=840 << 20)
-    assert "own memory, mapped files aside, 840 against 141 MiB" in peer.rss_goal_note(
-        peer.rss_goal_summary({"demo Q8_0": read}))
-    assert "own memory" not in peer.rss_goal_note(peer.rss_goal_summary({"demo Q8_0": unread}))
+    """The goal's sentence states each server's own memory beside the ratio when both were read,
+    and leaves it out (never 0) when either was not. Prevents: llama.cpp's mapped model file
+    compared as if it were heap, or an unread figure shown as 0."""
+    read = rss_goal.rss_goal(960 << 20, 330 << 20, "int8", moetray_own=840 << 20, llama_own=141 << 20)
+    unread = rss_goal.rss_goal(960 << 20, 330 << 20, "int8", moetray_own=840 << 20)
+    assert "own memory, mapped files aside, 840 against 141 MiB" in rss_goal.rss_goal_note(
+        rss_goal.rss_goal_summary({"demo Q8_0": read}))
+    assert "own memory" not in rss_goal.rss_goal_note(rss_goal.rss_goal_summary({"demo Q8_0": unread}))

@@ -16,9 +16,11 @@ from moetray.policy.footprint import (
     Footprint,
     FootprintKind,
     ProbeCache,
+    own_memory,
     parse_smaps_rollup_pss,
     parse_stat_pgid,
     parse_status_rss,
+    parse_status_rss_parts,
     probe_footprint,
     probe_group_footprint,
     process_group,
@@ -59,6 +61,23 @@ def test_pss_parser_ignores_pss_dirty_and_friends():
 def test_status_rss_in_bytes():
     """The RSS fallback must be in the same unit as the PSS path."""
     assert parse_status_rss(STATUS) == 4096 * 1024
+
+
+def test_status_rss_parts_in_bytes_each_unknown_on_its_own():
+    """RSS split as the kernel does (own memory, mapped files, shared), each in bytes; a part the
+    text lacks is unknown while the others stay read."""
+    text = STATUS + "RssAnon:\t    3000 kB\nRssFile:\t    1000 kB\n"
+    want = {"rss_anon": 3000 * 1024, "rss_file": 1000 * 1024, "rss_shmem": None}
+    assert parse_status_rss_parts(text) == want
+    assert parse_status_rss_parts(None) == {"rss_anon": None, "rss_file": None, "rss_shmem": None}
+
+
+def test_own_memory_is_anonymous_plus_shared_and_unknown_if_either_is():
+    """A process's own memory leaves its mapped files out (llama.cpp maps its model file) and keeps
+    shared anonymous memory in (moetray's KV pool); a part unknown makes it unknown, never 0."""
+    parts = {"rss_anon": 800, "rss_file": 120, "rss_shmem": 40}
+    assert own_memory(parts) == 840
+    assert own_memory({**parts, "rss_shmem": None}) is None
 
 
 @pytest.mark.parametrize(
