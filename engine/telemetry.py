@@ -23,7 +23,8 @@ from moetray.policy.wire import REQUEST_HISTORY
 TTFT_SAMPLES = 512
 
 
-def _read_text(path: str) -> str | None:
+def read_text(path: str) -> str | None:
+    """``path``'s text, or None where it cannot be read: the reader ``policy.footprint``'s probes take."""
     try:
         return Path(path).read_text()
     except OSError:
@@ -123,7 +124,7 @@ class Telemetry:
 
     def footprint(self) -> Footprint | None:
         """This process's PSS (or RSS), cached for half a second; ``None`` when unreadable."""
-        return self._footprint.get_or_probe(lambda: probe_footprint("self", _read_text))
+        return self._footprint.get_or_probe(lambda: probe_footprint("self", read_text))
 
 
 def device_memory(device, budget, footprint: Footprint | None) -> dict[str, object]:

@@ -319,11 +319,9 @@ def _round(url: str, conc: int, tokens: int, bias: dict[str, float]) -> dict[str
 def rss_parts(pid: int) -> dict[str, int | None]:
     """``pid``'s RSS by ``policy.footprint.RSS_PARTS``, in bytes; None each where the kernel does not
     say (no such process, not Linux)."""
-    try:
-        text: str | None = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        text = None
-    return parse_status_rss_parts(text)
+    from moetray.engine.telemetry import read_text
+
+    return parse_status_rss_parts(read_text(f"/proc/{pid}/status"))
 
 
 def _footprint(pid: int, before: int | None) -> dict[str, Any]:

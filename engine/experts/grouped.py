@@ -14,7 +14,7 @@ import torch
 from moetray.engine.experts.int8 import Int8Weight, int8_gemm
 from moetray.engine.experts.store import ExpertGeometry
 from moetray.engine.helpers import helper_count, one_thread_helpers
-from moetray.engine.models.precision import half_linear
+from moetray.engine.models.precision import half_linear, pads_rows
 from moetray.policy.step_threads import ONE_THREAD_MAX_MACS
 
 Operands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
@@ -131,10 +131,10 @@ def _gemm_into(out: torch.Tensor, lo: int, hi: int, states: torch.Tensor, w: tor
     an :class:`~moetray.engine.experts.int8.Int8Weight` goes to the weight-only int8 kernel instead."""
     if type(w) is Int8Weight:
         out[lo:hi].copy_(int8_gemm(states[lo:hi], w))
-    elif states.dtype == torch.float32 or states.device.type != "cpu":
-        torch.mm(states[lo:hi], w, out=out[lo:hi])
-    else:  # 16-bit on the CPU: over the few row counts oneDNN keeps kernels for
+    elif pads_rows(states):  # over the few row counts oneDNN keeps kernels for
         out[lo:hi].copy_(half_linear(states[lo:hi], w.t()))
+    else:  # written in place
+        torch.mm(states[lo:hi], w, out=out[lo:hi])
     if bias is not None:
         out[lo:hi].add_(bias)
 

@@ -197,12 +197,18 @@ def padded_rows(x: torch.Tensor) -> torch.Tensor:
     return x if padded == rows else torch.cat([x, x.new_zeros((padded - rows, x.shape[1]))])
 
 
+def pads_rows(x: torch.Tensor) -> bool:
+    """Whether a product of ``x`` goes over :func:`padded_rows`: 16-bit activations on the CPU, whose
+    products are oneDNN's, its kernels built per shape (a prefill's rows, a prompt's length, an
+    expert's routed tokens would each build one and, past the bounded cache,
+    ``serve.ONEDNN_CACHED_SHAPES``, build it again)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
+
+
 def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; a 16-bit product on the CPU is computed over :func:`padded_rows`
-    (oneDNN's, whose kernels are built per shape: a prefill's rows, a prompt's length, an expert's
-    routed tokens, would each build one and, past the bounded cache, ``serve.ONEDNN_CACHED_SHAPES``,
-    build it again). The same values row by row as far as the kernel's blocking goes: lossy formats only."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or x.device.type != "cpu":
+    """``F.linear(x, weight, bias)``, over :func:`padded_rows` where :func:`pads_rows`. The same values
+    row by row as far as the kernel's blocking goes: lossy formats only."""
+    if not pads_rows(x):
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
     out = F.linear(padded_rows(flat), weight, bias)
