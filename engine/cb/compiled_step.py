@@ -277,7 +277,7 @@ class CompiledDecodeStep:
             out = self.graph(*args, **kwargs)
         except Exception as exc:  # a compilation failing now: serve eagerly from here on
             for runtime in self.runtimes:
-                runtime.resident.forget_step()
+                runtime.resident.forget_step(runtime.op_key)
             self._refuse(exc)
             self.eager_steps += 1
             return self.eager(*args, **kwargs)

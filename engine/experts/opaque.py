@@ -9,7 +9,9 @@ the compiled decode kernel where it serves). Where that kernel serves, only the 
 opaque: ``moetray::expert_slots`` (``[T, k]`` routed experts, the slots the graph looked up for
 them and whether all were found → ``[T, k]`` slots; a call whose experts all have slots returns
 them and the planner sees it later, ``resident.py``; one that misses is planned and its misses
-copied in) and the kernel's arithmetic is traced into the step's graph after it. The runtime is
+copied in; on CPU, where ``served_calls.cpp`` is built, a C++ kernel serves the first kind and
+hands the second to ``moetray::expert_slots_planned``) and the kernel's arithmetic is traced into
+the step's graph after it. The runtime is
 found by a small integer key the graph holds as a constant: a registry entry per runtime, dropped
 with the runtime.
 """
@@ -33,6 +35,7 @@ _LIB.define("experts(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weig
             " -> Tensor")
 _LIB.define("expert_slots(Tensor top_k_index, Tensor looked_up, Tensor resident, int runtime, int layer)"
             " -> Tensor")
+_LIB.define("expert_slots_planned(Tensor top_k_index, int runtime, int layer) -> Tensor")
 
 
 def register(runtime: ExpertRuntime) -> int:
@@ -55,10 +58,15 @@ def _experts_shape(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
 
 def _expert_slots(top_k_index: torch.Tensor, looked_up: torch.Tensor, resident: torch.Tensor,
                   runtime: int, layer: int) -> torch.Tensor:
-    served = _RUNTIMES[runtime]
+    """Where ``served_calls.cpp`` is built its CPU kernel serves instead, in C++."""
     if resident.item():  # every routed expert has its slot: the planner sees the call later
-        return served.resident.served(layer, top_k_index, looked_up)
-    slots = served.planned_slots(layer, top_k_index)
+        return _RUNTIMES[runtime].resident.served(layer, top_k_index, looked_up)
+    return _expert_slots_planned(top_k_index, runtime, layer)
+
+
+def _expert_slots_planned(top_k_index: torch.Tensor, runtime: int, layer: int) -> torch.Tensor:
+    """A call that misses: planned, its misses copied in."""
+    slots = _RUNTIMES[runtime].planned_slots(layer, top_k_index)
     if slots is None:  # the step fails and reruns eagerly, where the grouped path serves them
         raise ValueError(f"layer {layer}: expert-parallel routing, which the decode kernel does not serve")
     return slots
@@ -72,6 +80,7 @@ def _expert_slots_shape(top_k_index: torch.Tensor, looked_up: torch.Tensor, resi
 _LIB.impl("experts", _experts, "CompositeExplicitAutograd")
 torch.library.register_fake("moetray::experts", _experts_shape, lib=_LIB)
 _LIB.impl("expert_slots", _expert_slots, "CompositeExplicitAutograd")
+_LIB.impl("expert_slots_planned", _expert_slots_planned, "CompositeExplicitAutograd")
 torch.library.register_fake("moetray::expert_slots", _expert_slots_shape, lib=_LIB)
 
 experts_op = torch.ops.moetray.experts.default

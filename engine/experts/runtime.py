@@ -351,7 +351,8 @@ class ExpertRuntime:
         """A compiled step's ``moetray::expert_slots`` for a call that misses: the served calls before
         it settled first, then planned as :meth:`fused_slots` plans it (None: expert-parallel sentinels)."""
         with self._lock:
-            self.resident.settle(self._settle_hit)
+            for call in self.resident.take(self.op_key):
+                self._settle_hit(*call)
             slots = self.fused_slots(layer, top_k_index)
             if slots is not None:
                 assert self.fused is not None, "a compiled step plans here only where the kernel serves"
@@ -360,9 +361,9 @@ class ExpertRuntime:
 
     def settle_step(self) -> None:
         """A compiled step returned: the planner sees the calls the slot table served (``resident.py``)."""
-        if self.resident.pending:
-            with self._lock:
-                self.resident.settle(self._settle_hit)
+        with self._lock:
+            for call in self.resident.take(self.op_key):
+                self._settle_hit(*call)
 
     def _settle_hit(self, layer: int, routed: list[int], tokens: int) -> None:
         """Count a call the slot table served as the pure hit it is (``ExpertCache.record_hits``: no

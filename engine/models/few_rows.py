@@ -54,7 +54,8 @@ Rules:
   first), into
   ``$XDG_CACHE_HOME/moetray/kernels`` under a name that hashes the source, torch's version and the
   flags; loaded as ``moetray::int8_rows_mm``, ``moetray::int8_experts_mm``,
-  ``moetray::half_rows_mm`` and ``moetray::half_experts_mm``.
+  ``moetray::half_rows_mm`` and ``moetray::half_experts_mm``, with the slot table's operator
+  (:data:`SOURCES`).
 - Serves 1 to :data:`MAX_ROWS` rows (:func:`serves`) on a CPU whose torch capability is AVX512;
   elsewhere, or where the build fails, the reason is kept (:func:`refusal`) and torch's kernel serves.
 """
@@ -77,7 +78,10 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 8
 """Rows the kernel takes (the C++ source's ``kMaxRows``): a decode step of up to eight requests."""
 
-SOURCE = Path(__file__).with_name("few_rows.cpp")
+SOURCES = (Path(__file__).with_name("few_rows.cpp"),
+           Path(__file__).parents[1] / "experts" / "served_calls.cpp")
+"""Built into one library: the products, and the slot table's operator (``moetray::expert_slots``
+on CPU, ``moetray::take_served_calls``: :mod:`~moetray.engine.experts.resident`)."""
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC",
          "-std=c++20")
 
@@ -97,7 +101,8 @@ def kernel_folder() -> Path:
 
 
 def _library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)
+                         + torch.__version__.encode() + " ".join(FLAGS).encode())
     return kernel_folder() / f"few_rows-{key.hexdigest()[:16]}.so"
 
 
@@ -108,7 +113,7 @@ def _compile(target: Path) -> None:
     partial = target.with_suffix(f".{os.getpid()}.partial")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     cmd = [os.environ.get("CXX", "g++"), *FLAGS, abi,
-           *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(partial),
+           *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(partial),
            *(f"-L{p}" for p in library_paths()), "-ltorch", "-ltorch_cpu", "-lc10"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:

@@ -13,6 +13,8 @@ from moetray.engine.cb import Sampling
 from moetray.engine.cb.compiled_step import install_decode_step
 from moetray.engine.experts import load_offloaded_model
 from moetray.engine.experts.fused import FUSED_MAX_TOKENS
+from moetray.engine.experts.resident import read_served_calls
+from moetray.engine.models import few_rows
 from moetray.policy.moe.expert_cache import CacheIntegrityError
 
 LAYERS, EXPERTS = 2, 8  # the tiny Qwen3-MoE's
@@ -36,6 +38,14 @@ def served(tiny_moe):
         return planned(*args, **kwargs)
 
     runtime.planned_slots = counted
+    resident, python_served = runtime.resident, runtime.resident.served
+    resident.python_calls = 0
+
+    def served_in_python(*args, **kwargs):
+        resident.python_calls += 1
+        return python_served(*args, **kwargs)
+
+    resident.served = served_in_python
     return off, step
 
 
@@ -55,8 +65,9 @@ async def test_resident_calls_skip_the_operator_and_the_planner_sees_every_call_
     take their slots from the table: the operator plans none of them, yet the planner's trace has
     every call, layer 0 then 1 in each step, and the kernel counts them all. Prevents: the table
     unwired (the operator plans every call), the settling unwired (the planner misses the calls, so
-    recency, counts and the policy's order go stale), calls settled out of layer order, or settled
-    hits planned and validated as slot plans (``ExpertCache.record_hits`` is their verb)."""
+    recency, counts and the policy's order go stale), calls settled out of layer order, settled
+    hits planned and validated as slot plans (``ExpertCache.record_hits`` is their verb), or, where
+    ``served_calls.cpp`` is built, the calls served by the Python operator (its C++ kernel unwired)."""
     off, step = served
     runtime = off.runtime
     routes = torch.arange(EXPERTS).view(-1, runtime.top_k)  # every expert, a few tokens
@@ -66,6 +77,7 @@ async def test_resident_calls_skip_the_operator_and_the_planner_sees_every_call_
                         torch.ones(routes.shape, dtype=torch.bfloat16))
     assert runtime.cache.resident_count == LAYERS * EXPERTS
     calls, kernel, operator = runtime.cache.stats().calls, runtime.fused.calls, runtime.operator_calls
+    in_python = runtime.resident.python_calls
     plans = runtime.slots.stats().plans
     steps = step.compiled_steps
     runtime.start_trace()
@@ -74,6 +86,7 @@ async def test_resident_calls_skip_the_operator_and_the_planner_sees_every_call_
     served_steps = step.compiled_steps - steps
     assert served_steps >= 7 + 2  # decode steps, and the warm-up's
     assert runtime.operator_calls == operator  # every call hit: the table served them all
+    assert (runtime.resident.python_calls == in_python) == few_rows.loaded()
     assert [layer for layer, _ in trace] == [0, 1] * (len(trace) // 2)
     assert runtime.cache.stats().calls - calls == len(trace) >= LAYERS * served_steps
     assert runtime.fused.calls - kernel >= LAYERS * served_steps
@@ -121,5 +134,22 @@ def test_a_table_that_disagrees_with_the_planner_is_an_integrity_error(served):
         assert not resident.pending
     finally:
         resident.rebuild(runtime.cache.residency_map())
-        resident.forget_step()
+        resident.forget_step(runtime.op_key)
     runtime.check_integrity()
+
+
+def test_the_cpu_operator_keeps_each_served_call_for_the_planner_in_order():
+    """Where ``served_calls.cpp`` is built, ``moetray::expert_slots`` answers a call whose experts
+    all have slots in C++ (a copy of the looked-up slots) and logs it per runtime key; the log is
+    read back in order, each call's distinct experts ascending with its tokens, and taken once.
+    Prevents: a served call lost or counted twice, or the log's format drifting from its reader."""
+    if few_rows.build() is not None:
+        pytest.skip(f"the C++ kernels are not built here: {few_rows.refusal()}")
+    key = 10**9  # no runtime: a served call never reaches Python
+    routed, looked = torch.tensor([[3, 1], [1, 5]]), torch.tensor([[7, 2], [2, 9]])
+    out = torch.ops.moetray.expert_slots(routed, looked, torch.tensor(True), key, 4)
+    assert torch.equal(out, looked) and out.data_ptr() != looked.data_ptr()
+    torch.ops.moetray.expert_slots(routed[:1], looked[:1], torch.tensor(True), key, 5)
+    assert read_served_calls(torch.ops.moetray.take_served_calls(key).tolist()) == [(4, [1, 3, 5], 2),
+                                                                                 (5, [1, 3], 1)]
+    assert torch.ops.moetray.take_served_calls(key).numel() == 0
