@@ -21,11 +21,12 @@ Rules:
   That kernel at one row too, in place of this loop, measured slower in the step (demo, int8,
   2 cores, one process each, paired runs: 13.2-13.5 against 12.5-12.6 ms a token): the loop
   fuses with its neighbours, the kernel is a call of its own.
-- The LM head runs after the decoder, eagerly: its one-row products call a small compiled region
-  of the same formula (the largest matrix of a small model: vocabulary × hidden; an int8 head too:
-  1.1 ms against the int8 kernel's 1.7-2.1 ms on the demo's head, one thread), at one thread or
-  at the engine's whole budget (a decode team, a prefill's last-token logits), both compiled at
-  start. At one thread a large head's rows are computed in blocks shared with a helper thread over
+- The LM head runs after the decoder, eagerly: its one-row products are the few-rows kernel's
+  where it serves (a call of its own either way; :meth:`OneRowHead.__call__` has the measurements),
+  else they call a small compiled region of the same formula (the largest matrix of a small model:
+  vocabulary × hidden; an int8 head too: 1.1 ms against torch's int8 kernel's 1.7-2.1 ms on the
+  demo's head, one thread), at one thread or at the engine's whole budget (a decode team, a
+  prefill's last-token logits), both compiled at start. At one thread a large head's rows are computed in blocks shared with a helper thread over
   the budget (:meth:`OneRowHead.__call__`; the region's C++ entry releases the GIL, so blocks run
   side by side). Other thread counts keep the library's product rather than compile again
   mid-request; a failure logs why and keeps it too. Several rows take the library's product, for
@@ -187,9 +188,9 @@ at most one block to wait for. Measured on the demo's head at a budget of two, b
 
 
 class OneRowHead:
-    """The LM head's forward: one-row products through a compiled multiply-and-sum (a half-precision
-    ``nn.Linear``'s or an ``Int8Linear``'s formula), and a small step's head shared over the cores;
-    counts both."""
+    """The LM head's forward: one-row products by the few-rows kernel where it serves, else through
+    a compiled multiply-and-sum (a half-precision ``nn.Linear``'s or an ``Int8Linear``'s formula),
+    and a small step's head shared over the cores; counts both."""
 
     def __init__(self, head: nn.Linear | Int8Linear) -> None:
         self.head = head
@@ -198,7 +199,7 @@ class OneRowHead:
             fullgraph=True, dynamic=False, recompile_limit=HEAD_GRAPHS,
             options=CPP_WRAPPER)  # its C++ entry releases the GIL: blocks run side by side
         self.reason: str | None = None  # why the head keeps the library's product; None while serving
-        self.one_row_calls = 0
+        self.one_row_calls = 0  # one-row products (the kernel's or the compiled region's)
         self.thread_budget = 1  # the engine's threads (the compiled step's warm-up sets it)
         self.shared_calls = 0  # calls whose rows were shared out over the budget
 
@@ -212,11 +213,13 @@ class OneRowHead:
         :data:`SHARED_HEAD_MIN_WEIGHTS` weights computes its output rows in blocks shared between
         this thread and one-thread helpers up to :attr:`thread_budget` (the step leaves the other
         cores idle: measured on the demo, the head was ~1.7 ms of a ~16 ms step at batch 1 and
-        ~3.7 of ~35 at batch 4, streaming 56 MB of bfloat16 on one core); one-row products take
-        the compiled multiply-and-sum, at one thread or at the whole budget (a decode team's step,
-        a prefill's last-token logits: the demo's bfloat16 head 0.85 ms at two threads against the
-        library's 2.5), other shapes and other thread counts the library's product (a 16-bit
-        head's few rows: the few-rows kernel's)."""
+        ~3.7 of ~35 at batch 4, streaming 56 MB of bfloat16 on one core); one-row products, at one
+        thread or at the whole budget (a decode team's step, a prefill's last-token logits), take
+        the few-rows kernel where it serves (``few_rows``; the demo's head, one row, ms, the
+        compiled multiply-and-sum against the kernel, 3 rounds: int8 at two threads 0.88-1.04 /
+        0.47-0.67, shared at one 1.36-1.68 / 0.91-1.04; bfloat16 1.67-1.76 / 1.31-1.42 and
+        1.99-2.22 / 1.65-1.79), else the compiled multiply-and-sum; other shapes and other thread
+        counts the library's product (a few rows: the few-rows kernel's)."""
         threads = torch.get_num_threads()
         compiled = threads in (1, self.thread_budget) and not torch.is_grad_enabled()
         weight = self.head.qweight if isinstance(self.head, Int8Linear) else self.head.weight
@@ -230,6 +233,8 @@ class OneRowHead:
         budget's threads, and the row blocks one after another at one thread, so no request (and
         no helper) waits for a compilation."""
         self.thread_budget = thread_budget
+        if few_rows.serves(1):  # its one-row products are the kernel's: nothing to compile
+            return
         head = self.head
         weight = head.qweight if isinstance(head, Int8Linear) else head.weight
         dtype = head.qscale.dtype if isinstance(head, Int8Linear) else weight.dtype
@@ -272,6 +277,9 @@ class OneRowHead:
             library: Callable[..., torch.Tensor] = int8_product
         else:
             args, library = (x, head.weight[lo:hi], bias), few_rows.half_product
+        if compiled and _one_row(x) and few_rows.serves(1):
+            self.one_row_calls += 1
+            return library(*args)  # the few-rows kernel's one-row product
         if compiled and self.reason is None and _one_row(x):
             try:
                 out = self.graph(*args)

@@ -20,6 +20,7 @@ from moetray.engine.cb import Sampling, one_row
 from moetray.engine.cb.compiled_step import install_decode_step
 from moetray.engine.experts import load_offloaded_model
 from moetray.engine.experts.fused import FUSED_MAX_TOKENS
+from moetray.engine.models import few_rows
 from moetray.engine.models.precision import Int8Linear, quantize_linears
 
 
@@ -180,13 +181,14 @@ def _counting(monkeypatch, name: str) -> list[tuple]:
 async def _decode_through_the_step(off, tok, traced: list[tuple]):
     """Install the compiled step on ``off``'s model, start the batcher (which compiles it) and
     decode one greedy request of 6 tokens. Asserts the start-up compilation traced what ``traced``
-    records, every decode step took the graph and every decode step's LM head its compiled region."""
+    records, every decode step took the graph and every decode step's LM head a one-row product:
+    the few-rows kernel's where it is built (counted by ``RowsProducts``), else its compiled region."""
     step = install_decode_step(off.model, max_tokens=FUSED_MAX_TOKENS)
     assert step.head is not None and off.model.lm_head.forward is step.head
     runner = make_runner(off.model, policy="off", one_thread_small_steps=True)  # as served (step_threads)
     try:
         assert step.reason is None and traced  # compiled at start
-        before = step.head.one_row_calls, step.compiled_steps
+        before = step.head.one_row_calls, step.compiled_steps, few_rows.RowsProducts.count
         request = (prompt_ids(tok, "One row at a time"), 6, Sampling(temperature=0.0))
         finals = await run_all(runner, {"r": request})
     finally:
@@ -195,6 +197,8 @@ async def _decode_through_the_step(off, tok, traced: list[tuple]):
     decode_steps = step.compiled_steps - before[1]
     assert decode_steps >= 5, step.reason
     assert step.head.one_row_calls - before[0] >= decode_steps, step.head.reason
+    kernel_products = few_rows.RowsProducts.count - before[2]  # eager: the head's (and a prefill's)
+    assert (kernel_products >= decode_steps) == few_rows.loaded()
     return step
 
 
