@@ -26,11 +26,12 @@ Rules:
   else they call a small compiled region of the same formula (the largest matrix of a small model:
   vocabulary × hidden; an int8 head too: 1.1 ms against torch's int8 kernel's 1.7-2.1 ms on the
   demo's head, one thread), at one thread or at the engine's whole budget (a decode team, a
-  prefill's last-token logits), both compiled at start. At one thread a large head's rows are computed in blocks shared with a helper thread over
-  the budget (:meth:`OneRowHead.__call__`; the region's C++ entry releases the GIL, so blocks run
-  side by side). Other thread counts keep the library's product rather than compile again
-  mid-request; a failure logs why and keeps it too. Several rows take the library's product, for
-  a 16-bit head up to eight rows the few-rows kernel's (``few_rows.half_product``).
+  prefill's last-token logits), both compiled at start. At one thread a large head's rows are
+  computed in blocks shared with a helper thread over the budget (:meth:`OneRowHead.__call__`;
+  the kernel's call and the region's C++ entry release the GIL, so blocks run side by side).
+  Other thread counts keep the library's product rather than compile again mid-request; a
+  failure logs why and keeps it too. Several rows take the library's product, for a 16-bit head
+  up to eight rows the few-rows kernel's (``few_rows.half_product``).
 - Eager calls (prefill, a refused graph) and float32 weights (the token-identity reference) are
   untouched. The rounding is the lossy formats' own: float32 accumulation, one final rounding.
 
