@@ -11,9 +11,8 @@ them and whether all were found → ``[T, k]`` slots; a call whose experts all h
 them and the planner sees it later, ``resident.py``; one that misses is planned and its misses
 copied in; on CPU, where ``served_calls.cpp`` is built, a C++ kernel serves the first kind and
 hands the second to ``moetray::expert_slots_planned``) and the kernel's arithmetic is traced into
-the step's graph after it. The runtime is
-found by a small integer key the graph holds as a constant: a registry entry per runtime, dropped
-with the runtime.
+the step's graph after it. The runtime is found by a small integer key the graph holds as a
+constant: a registry entry per runtime, dropped with the runtime.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 //
 // moetray::take_served_calls(runtime) drains a runtime's log as one int64 tensor, each call in the
 // order it ran as [layer, tokens, n, expert_1 < ... < expert_n] (its distinct routed experts,
-// ascending): the one wire format, read by ResidentSlots.settle.
+// ascending): the one wire format, read by read_served_calls (ResidentSlots.take).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>

@@ -52,7 +52,7 @@ Rules:
   inductor uses, with AVX512 (F, BW, VL), FMA and OpenMP (``at::parallel_for`` shares a product's
   output rows over the step's intra-op threads; the process's OpenMP runtime is torch's, loaded
   first), into
-  ``$XDG_CACHE_HOME/moetray/kernels`` under a name that hashes the source, torch's version and the
+  ``$XDG_CACHE_HOME/moetray/kernels`` under a name that hashes the sources, torch's version and the
   flags; loaded as ``moetray::int8_rows_mm``, ``moetray::int8_experts_mm``,
   ``moetray::half_rows_mm`` and ``moetray::half_experts_mm``, with the slot table's operator
   (:data:`SOURCES`).
