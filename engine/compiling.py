@@ -9,7 +9,7 @@ count on it).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,48 +46,6 @@ formats only (float32, the token-identity reference, stays eager). Measured on t
 (int8, 2 cores), two servers interleaved, ms a token at batch 1: 14 paired rounds, 11 faster, ~5 %
 (medians 21.3 against 20.0 in the second run of 8); batch 4 unchanged (its products are torch's
 int8 kernel, not generated code)."""
-
-
-class CppReferences:
-    """One more C++ reference to each of some tensors, kept until :meth:`release` (or until this
-    object is collected): for the tensors a :data:`CPP_WRAPPER` region reads on every call, held by
-    their owner (the decoder's parameters and buffers, the expert pool's views, the slot table, the
-    paged KV's flat view).
-
-    The C++ wrapper takes each input as a handle of its own and drops it while its entry runs
-    without the GIL. A tensor that has a Python object counts that object as its one C++ reference:
-    a handle takes the count to two, which increfs the Python object, and dropping the handle takes
-    it back to one, which decrefs it, and a decref takes the GIL first. On the demo's decode step
-    that was 646 inputs, each a GIL hop mid-step, each a wait whenever the event loop held the GIL
-    (streaming the last token). Held here, the count never falls to one inside a step. Measured on
-    the demo's Q8_0 file served (int8, 2 cores, decode steps on the team, one streamed request of 64
-    tokens at a time; in one server, the holders released and taken again between 8 pairs of rounds,
-    16 requests each way): 103.3 tok/s median held against 100.1 released, 6 of 8 pairs faster. With
-    the event loop idle (a client in-process, not streaming) the step took as long either way
-    (10th percentiles 5.90 ms in the graph both ways): the gain is the waits.
-
-    Through ``torch._C._aoti``'s pair, the calls inductor's own C++ wrapper makes on each call (a
-    heap ``at::Tensor`` per tensor, stolen back to free it); a torch without them holds nothing."""
-
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        self._pointers: list[int] = list(_HOLD(list(tensors))) if _HOLD is not None else []
-
-    def __len__(self) -> int:
-        return len(self._pointers)
-
-    def release(self) -> None:
-        """Drop the references (again: nothing)."""
-        pointers, self._pointers = self._pointers, []
-        if pointers and _FREE is not None:
-            _FREE(pointers)
-
-    def __del__(self) -> None:
-        self.release()
-
-
-_AOTI = getattr(torch._C, "_aoti", None)
-_HOLD = getattr(_AOTI, "unsafe_alloc_void_ptrs_from_tensors", None)
-_FREE = getattr(_AOTI, "alloc_tensors_by_stealing_from_void_ptrs", None)
 
 
 def inductor_keeping_no_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], *,

@@ -50,7 +50,7 @@ from moetray.engine.cb.one_row import (
     install_one_row_products,
 )
 from moetray.engine.cb.state import StateGeometry
-from moetray.engine.compiling import CPP_WRAPPER, UNCHECKED_WRAPPER, CppReferences, compile_region
+from moetray.engine.compiling import CPP_WRAPPER, UNCHECKED_WRAPPER, compile_region
 from moetray.engine.experts.runtime import MODULE_ATTRIBUTE_PREFIX, runtimes_in
 from moetray.policy.step_threads import step_threads
 
@@ -100,7 +100,6 @@ class FlatKV:
 
     flat: torch.Tensor
     starts: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer → (first key row, first value row)
-    held: CppReferences  # of the tensors above: the step reads them all on every call
 
     @classmethod
     def of(cls, allocator: Any) -> FlatKV | None:
@@ -126,7 +125,7 @@ class FlatKV:
                 rows.append(torch.tensor(start, dtype=torch.long, device=flat.device))
             starts[layer] = (rows[0], rows[1])
         torch._dynamo.maybe_mark_dynamic(flat, 0)  # a re-split's cache has another size
-        return cls(flat, starts, CppReferences([flat, *itertools.chain.from_iterable(starts.values())]))
+        return cls(flat, starts)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, read_index: torch.Tensor,
                write_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,8 +237,6 @@ class CompiledDecodeStep:
         self.eager = decoder.forward
         # The experts runtimes whose slot tables the graph reads: each settles a step's calls after it.
         self.runtimes = runtimes_in(decoder)
-        # Every step reads the decoder's weights: held for the C++ wrapper (CppReferences).
-        self.held = CppReferences(itertools.chain(decoder.parameters(), decoder.buffers()))
         # Sizes turn symbolic as they vary; a few graphs per thread count (the limit is this region's).
         self.graph = compile_region(
             _own_code(self.eager), fullgraph=True, recompile_limit=STEP_GRAPHS,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetray.engine.compiling import CppReferences, compile_region
+from moetray.engine.compiling import compile_region
 from moetray.engine.experts.hf import ExpertsModule
 from moetray.engine.experts.int8 import Int8Layout
 from moetray.engine.experts.store import ExpertGeometry, unpack_row
@@ -197,14 +197,12 @@ class FusedExperts:
         self.int8_layout = int8_layout
         self.transposed = geometry.is_transposed and int8_layout is None  # int8 rows are [out, in]
         few_rows.build()  # the grouped kernels of a step's experts (GROUPED_MIN_TOKENS)
-        self.bind(rows)
+        self.views = self._views(rows)
         self.calls = 0  # layer calls the kernel computed (what tests and benches count)
 
     def bind(self, rows: torch.Tensor) -> None:
-        """Point the kernel at a pool (a new one after a resize); its views are held for a compiled
-        decode step's C++ wrapper (``CppReferences``), the old pool's let go."""
+        """Point the kernel at a new pool (after a resize)."""
         self.views = self._views(rows)
-        self.held = CppReferences(self.views.tensors())
 
     def _views(self, rows: torch.Tensor) -> PoolViews:
         views = (PoolViews.of_int8_rows(rows, self.int8_layout) if self.int8_layout is not None

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import torch
 
-from moetray.engine.compiling import CppReferences
 from moetray.engine.experts.opaque import expert_slots_op
 from moetray.engine.models import few_rows
 
@@ -57,7 +56,6 @@ class ResidentSlots:
 
     def __init__(self, num_layers: int, num_experts: int) -> None:
         self.table = torch.full((num_layers, num_experts + 1), NOT_RESIDENT, dtype=torch.long)
-        self.held = CppReferences([self.table])  # every compiled step reads it
         self.pending: list[ServedCall] = []  # the Python operator's served calls, in order
 
     # --- kept equal to the planner's residency ---------------------------------------------

@@ -129,36 +129,6 @@ async def test_sliding_window_layers_keep_the_operator_beside_traced_full_attent
     assert calls[FullAttentionCacheAllocator] == eager * full
 
 
-async def test_a_steps_lasting_inputs_are_held_for_the_cpp_wrapper(tiny, compiled, monkeypatch):
-    """Of the tensors a compiled step hands its graph, only the step's own (ids, positions, indices,
-    the mask) rest on their Python object alone: the decoder's weights, the slot tables and the paged
-    KV's flat view each have one C++ reference more (``CppReferences``), so the C++ wrapper never
-    takes the GIL back to drop them. Prevents: a holder unwired (each weight a GIL hop mid-step)."""
-    from torch._inductor.output_code import CompiledFxGraph
-
-    counts: list[list[int]] = []
-    call = CompiledFxGraph.__call__
-
-    def counted(self, args, *rest, **kwargs):
-        counts.append([a._use_count() for a in args if isinstance(a, torch.Tensor)])
-        return call(self, args, *rest, **kwargs)
-
-    monkeypatch.setattr(CompiledFxGraph, "__call__", counted)
-    prompt = prompt_ids(tiny[1], "Hold the weights")
-    runner = make_runner(compiled, policy="stock")
-    try:
-        counts.clear()
-        await run_all(runner, {"h": (prompt, 4, Sampling(temperature=0.0))})
-    finally:
-        runner.stop()
-    weights = len(list(compiled.model.parameters()))
-    steps = [step for step in counts if len(step) >= weights]  # the step's graph, not another region's
-    assert steps, "no decode step took the graph"
-    for step in steps:
-        held = sum(n >= 2 for n in step)
-        assert held >= weights and len(step) - held <= 8, (held, len(step), weights)
-
-
 def test_the_graphs_are_built_at_start_and_outlive_a_kv_resplit(compiled):
     """Starting a runner runs the warm-up steps through the graph; a second runner (a KV re-split:
     a new paged cache of another size) compiles nothing new. Prevents: the first request waiting

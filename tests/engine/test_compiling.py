@@ -103,20 +103,3 @@ def test_a_compiled_regions_kernels_fuse_multiply_and_add():
     assert torch.allclose(compiled(x, w), region(x, w), atol=1e-5)
     assert seen == ["fast"]
     assert inductor_config.cpp.enable_floating_point_contract_flag == before  # a patch, not a global
-
-
-def test_cpp_references_hold_one_more_reference_each_until_released():
-    """While held, each tensor's C++ count is one more; a release (again: nothing) or the holder's
-    collection takes it back. Prevents: a holder holding nothing (a compiled step's C++ wrapper then
-    takes the GIL back to drop each weight's handle), or one keeping its tensors after release (a
-    re-split's old pool never freed)."""
-    a, b = torch.zeros(3), torch.ones(2)
-    held = compiling.CppReferences([a, b])
-    assert len(held) == 2 and a._use_count() == b._use_count() == 2
-    held.release()
-    held.release()
-    assert len(held) == 0 and a._use_count() == b._use_count() == 1
-    held = compiling.CppReferences([a])
-    assert a._use_count() == 2
-    del held
-    assert a._use_count() == 1

@@ -75,10 +75,9 @@ def test_decode_steps_take_the_kernel_and_prefill_the_grouped_path(tiny_moe):
 
 def test_a_resize_rebinds_the_kernel_without_recompiling(tiny_moe):
     """After a re-split to fewer slots (misses now copy into slots), the kernel reads the new pool:
-    its output still matches the grouped path's size of error, no new graph was compiled (the
-    capacity is symbolic), and the new views are held for a compiled step, the old let go.
-    Prevents: the kernel reading the freed pool, a re-split stalling the next step for a
-    compilation, or the old pool kept alive by its views' references."""
+    its output still matches the grouped path's size of error, and no new graph was compiled (the
+    capacity is symbolic). Prevents: the kernel reading the freed pool, or a re-split stalling the
+    next step for a compilation."""
     from torch._dynamo.utils import counters
 
     path = tiny_moe("qwen3_moe", "per_expert")
@@ -86,11 +85,7 @@ def test_a_resize_rebinds_the_kernel_without_recompiling(tiny_moe):
     rt = off.runtime
     ref = load_offloaded_model(path, dtype=torch.float32, capacity=16).runtime
     graphs = counters["stats"]["unique_graphs"]
-    before = rt.fused.views.tensors()
     rt.resize(5)
-    # The new pool's views are held for a compiled step's C++ wrapper, the old pool's let go.
-    assert all(t._use_count() >= 2 for t in rt.fused.views.tensors())
-    assert all(t._use_count() == 1 for t in before)
     with torch.no_grad():
         for seed in range(3):
             module, layer, states, index, weights = _call(rt, seed % rt.num_layers, 2, seed=seed)
