@@ -9,9 +9,12 @@ per row (4 rows: half the speed of the matrix product), so only one-row products
 
 Rules:
 - Traced inside the compiled decode step, a decoder's plain ``nn.Linear`` with a bfloat16 or
-  float16 weight and one input row is the multiply-and-sum; up to eight rows the few-rows kernel
-  (``engine/models/few_rows.py``: oneDNN streams a few rows at about half its speed); more keep
-  ``F.linear``.
+  float16 weight takes the few-rows kernel up to eight rows (``engine/models/few_rows.py``: oneDNN
+  streams a few rows at about half its speed), a bfloat16 one-row product too (its pairs multiply
+  by ``vdpbf16ps``; the demo in bfloat16, one process, two pairs of runs of 384 steps, the graph's
+  call against the multiply-and-sum: 10th percentiles 8.55 / 9.24 and 9.16 / 9.50 ms, medians
+  9.11 / 9.72 and 9.67 / 10.8); a float16 one-row product, or one where the kernel does not serve,
+  is the multiply-and-sum; more rows keep ``F.linear``.
 - So is a decoder's int8 linear (the int8 format's ``Int8Linear``) with one input row, over its
   activations widened to float32 first (:func:`one_row_int8_product`): measured on this machine's
   CPU, one thread, a step's 30 layers of int8 attention and shared-expert linears took 3.3 ms that
@@ -125,7 +128,7 @@ def _one_row(x: torch.Tensor) -> bool:
 
 def _traced_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        if _one_row(x):
+        if _one_row(x) and not (x.dtype == torch.bfloat16 and few_rows.serves(1)):
             return one_row_product(x, self.weight, self.bias)
         return few_rows.half_product(x, self.weight, self.bias)
     return half_linear(x, self.weight, self.bias)

@@ -38,12 +38,13 @@ tokens routes them to overlapping experts, and the token-expert pairs of one slo
 together, up to eight at a time, each output row's weights loaded once for all of them.
 
 bfloat16 and float16 weights get the same two products (``moetray::half_rows_mm``, the decoder's
-16-bit linears and LM head at 2-8 rows through :func:`half_product`; ``moetray::half_experts_mm``,
-the 16-bit experts): on a CPU with AVX512-BF16, bfloat16 activations and weights multiply in pairs
-(``vdpbf16ps``: 32 exact products an instruction, summed into float32 lanes) where a row's width
-is whole 32-value blocks; otherwise the weights are widened to float32. oneDNN's bfloat16 product
-streams a few rows slowly: the demo's 120 attention matrices and its 49,152 × 576 head, eagerly,
-2 threads, ms, oneDNN against this kernel: 2 rows 6.46 / 2.66 and 3.42 / 1.94, 4 rows 6.77 / 3.38
+16-bit linears at 2-8 rows, its bfloat16 ones at one row too, and the LM head, through
+:func:`half_product`; ``moetray::half_experts_mm``, the 16-bit experts): on a CPU with AVX512-BF16,
+bfloat16 activations and weights multiply in pairs (``vdpbf16ps``: 32 exact products an
+instruction, summed into float32 lanes) where a row's width is whole 32-value blocks; otherwise
+the weights are widened to float32. oneDNN's bfloat16 product streams a few rows slowly: the
+demo's 120 attention matrices and its 49,152 × 576 head, eagerly, 2 threads, ms, oneDNN against
+this kernel: 2 rows 6.46 / 2.66 and 3.42 / 1.94, 4 rows 6.77 / 3.38
 and 3.73 / 2.64, 8 rows 7.65 / 3.47 and 4.18 / 3.66 (one thread, 4 rows: 9.95 / 6.51, 7.31 / 5.15).
 
 Rules:

@@ -243,11 +243,20 @@ def test_one_row_half_matmuls_become_a_multiply_and_sum(dtype):
 async def test_a_half_precision_decode_step_takes_the_one_row_paths(tiny, tiny_moe, monkeypatch):
     """bfloat16 tiny MoE with the compiled step: the start-up compilation traces few-query
     attention in both graphs (one token, a symbolic count) and turns each layer's router product
-    into a multiply-and-sum (the step's post-grad pass), the decoder's linears are routed, and every
-    decode step's LM head takes the compiled one-row product. Prevents: the attention, the routers'
-    pass, the linears' routing or the head's router never wired (each is a counter or a check that
-    stays put)."""
+    into a multiply-and-sum (the step's post-grad pass), the decoder's linears are routed (one-row
+    products to the few-rows kernel where it is built), and every decode step's LM head takes a
+    one-row product. Prevents: the attention, the routers' pass, the linears' routing or the head's
+    router never wired (each is a counter or a check that stays put)."""
     traced = _counting(monkeypatch, "few_query_attention")
+    one_row_kernel: list[bool] = []  # traced few-rows products of a statically one-row input
+    half_product = few_rows.half_product
+
+    def counted(x, weight, bias):
+        if torch.compiler.is_compiling():
+            one_row_kernel.append(isinstance(x.shape[0], int) and x.numel() == x.shape[-1])
+        return half_product(x, weight, bias)
+
+    monkeypatch.setattr(few_rows, "half_product", counted)
     off = load_offloaded_model(tiny_moe("qwen3_moe", "per_expert"), dtype=torch.bfloat16, capacity=8)
     off.runtime.warm_up()  # the experts' kernel serves, as where the engine installs the step
     routers = one_row.OneRowMatmuls.replaced
@@ -259,6 +268,8 @@ async def test_a_half_precision_decode_step_takes_the_one_row_paths(tiny, tiny_m
     linears = [m for m in off.model.model.modules() if type(m) is nn.Linear]
     assert linears and all(m.forward.__func__ is one_row._traced_linear for m in linears)
     assert not step.head.int8
+    # The one-token graph's bfloat16 linears are the few-rows kernel's where it is built.
+    assert (sum(one_row_kernel) >= len(linears)) == few_rows.loaded()
 
 
 async def test_an_int8_decode_step_takes_the_int8_one_row_product(tiny, tiny_moe, monkeypatch):
