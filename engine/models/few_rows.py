@@ -44,8 +44,8 @@ bfloat16 activations and weights multiply in pairs (``vdpbf16ps``: 32 exact prod
 instruction, summed into float32 lanes) where a row's width is whole 32-value blocks; otherwise
 the weights are widened to float32. oneDNN's bfloat16 product streams a few rows slowly: the
 demo's 120 attention matrices and its 49,152 × 576 head, eagerly, 2 threads, ms, oneDNN against
-this kernel: 2 rows 6.46 / 2.66 and 3.42 / 1.94, 4 rows 6.77 / 3.38
-and 3.73 / 2.64, 8 rows 7.65 / 3.47 and 4.18 / 3.66 (one thread, 4 rows: 9.95 / 6.51, 7.31 / 5.15).
+this kernel: 2 rows 6.46 / 2.66 and 3.42 / 1.94, 4 rows 6.77 / 3.38 and 3.73 / 2.64, 8 rows 7.65 /
+3.47 and 4.18 / 3.66 (one thread, 4 rows: 9.95 / 6.51, 7.31 / 5.15).
 
 Rules:
 - Built once per machine (:func:`build`, called where an int8 model's linears are quantized, a
